@@ -1,0 +1,73 @@
+//! The core of sqlx-broker: a task queue that serves work from a service's own SQL tables.
+//!
+//! A [`TableDescription`] names the roles of a table's columns and so selects a claim mode; a
+//! backend crate (`broker-sqlite`, `broker-postgres`, `broker-mysql`) prepares it as a [`Queue`];
+//! a [`Subscription`] claims due rows, runs a handler on each [`Delivery`], and settles it with
+//! the handler's [`Outcome`]. This crate holds the protocol and the engine and knows no
+//! database's SQL.
+//!
+//! | claim mode | selected by | PostgreSQL 11+ | MySQL 8.0.1+ / MariaDB 10.6+ | SQLite |
+//! |---|---|---|---|---|
+//! | row lock | no mode set | yes | yes | no (refused: add `locked_until` or `advisory_lock`) |
+//! | lease | a `locked_until` column | yes | yes | yes |
+//! | advisory lock | `advisory_lock = "<template>"` | yes (session locks) | yes (`GET_LOCK`) | yes (keys held in the process) |
+//!
+//! ```
+//! use broker_core::{ClaimMode, TableDescription};
+//!
+//! let jobs = TableDescription::builder("jobs")
+//!     .payload("payload", broker_core::ColumnType::Text)
+//!     .locked_until("locked_until")
+//!     .due_at("due_at")
+//!     .build()
+//!     .unwrap();
+//! assert_eq!(jobs.mode(), ClaimMode::Lease);
+//!
+//! let err = TableDescription::builder("jobs")
+//!     .locked_until("locked_until")
+//!     .advisory_lock("account-{account}")
+//!     .build()
+//!     .unwrap_err();
+//! assert!(err.to_string().contains("keep one of them"));
+//! ```
+//!
+//! A runnable end-to-end example is `broker-sqlite`'s quickstart
+//! (`cargo run -p broker-sqlite --example quickstart`).
+//!
+//! # Attempts
+//! The attempt column starts at 1 and every delivery reports it as it stood before its claim, so
+//! the first delivery reads 1 in every mode. Row lock counts the attempt in the settlement that
+//! puts the row back (a crash rolls it back, so it uses none); lease counts it at the claim and
+//! advisory at the take (a crash uses one). With `max_attempts = n`, a delivery that fails when
+//! its attempt is `n` or more dead-letters the row, and a row whose attempts crashes spent is
+//! dead-lettered when next claimed, without running the handler.
+//!
+//! # Time
+//! Due times and lease expiries come from the host's clock in unix milliseconds; lease expiries
+//! are whole seconds, so a time column without fractions fences exactly.
+
+mod broker;
+pub mod clock;
+mod delivery;
+mod error;
+mod metrics;
+mod payload;
+mod publish;
+pub mod strategy;
+mod subscription;
+mod table;
+
+pub use broker::{Broker, Queue};
+pub use delivery::{Delivery, Outcome};
+pub use error::{Result, SqlxBrokerError};
+pub use metrics::MetricsSnapshot;
+pub use payload::Payload;
+pub use publish::{NewJob, Value};
+pub use strategy::{Backend, Capabilities, RowState};
+pub use subscription::{
+    BoxError, BoxFuture, HandlerResult, ShutdownReport, SubscribeOptions, Subscription,
+};
+pub use table::{
+    ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
+    TableBuilder, TableDescription,
+};

@@ -1,0 +1,24 @@
+//! Reading just the payload column of a row.
+
+use sqlx::{ColumnIndex, Decode, FromRow, Row, Type};
+
+use crate::strategy::alias;
+
+/// A row read as its payload column alone (the table description names the column).
+///
+/// ```ignore
+/// let queue = broker.queue::<Payload<String>>(table).await?;
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payload<P>(pub P);
+
+impl<'r, R, P> FromRow<'r, R> for Payload<P>
+where
+    R: Row,
+    P: Decode<'r, R::Database> + Type<R::Database>,
+    &'static str: ColumnIndex<R>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        row.try_get(alias::PAYLOAD).map(Payload)
+    }
+}

@@ -1,0 +1,344 @@
+//! The traits every backend implements: one strategy per claim mode, and the backend that
+//! prepares them. The engine drives these traits; it never sees SQL.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use sqlx::{Database, Pool, Transaction};
+
+use crate::error::Result;
+use crate::publish::NewJob;
+pub use crate::publish::PublishPlan;
+use crate::table::{ClaimMode, TableDescription};
+
+/// Column aliases every backend gives the broker's own columns in a claimed row, so core code
+/// and [`Payload`](crate::Payload) can read them whatever the table calls them.
+pub mod alias {
+    /// The row id, as a 64-bit integer.
+    pub const ID: &str = "sqlx_broker_id";
+    /// The attempt as it stood before the claim, as a 64-bit integer.
+    pub const ATTEMPT: &str = "sqlx_broker_attempt";
+    /// The payload column, where the table has one.
+    pub const PAYLOAD: &str = "sqlx_broker_payload";
+}
+
+/// What a backend can do, so shared code and the conformance suite ask the backend instead of
+/// testing for a database by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The database's name for messages (e.g. "SQLite").
+    pub database: &'static str,
+    /// Whether row lock mode is offered.
+    pub row_lock: bool,
+    /// Whether advisory keys live in this process only (two processes do not see each other's
+    /// keys).
+    pub process_local_keys: bool,
+    /// Whether a publish in another process wakes subscriptions (e.g. LISTEN/NOTIFY).
+    pub cross_process_wakeups: bool,
+}
+
+impl Capabilities {
+    /// Everything offered, keys shared across processes, no cross-process wake-ups; a backend
+    /// then turns off what it lacks.
+    pub fn default_for(database: &'static str) -> Self {
+        Self {
+            database,
+            row_lock: true,
+            process_local_keys: false,
+            cross_process_wakeups: false,
+        }
+    }
+
+    /// Whether the backend offers `mode`.
+    pub fn offers(&self, mode: ClaimMode) -> bool {
+        mode != ClaimMode::RowLock || self.row_lock
+    }
+}
+
+/// A row a claim handed out, with the broker's columns already read.
+#[derive(Debug)]
+pub struct ClaimedRow<DB: Database> {
+    /// The row id.
+    pub id: i64,
+    /// The attempt as it stood before this claim (the first delivery reads 1).
+    pub attempt: i64,
+    /// The advisory key, in advisory mode.
+    pub key: Option<String>,
+    /// The whole row, for the handler's `FromRow` type.
+    pub row: DB::Row,
+}
+
+/// A due row an advisory claim may take, with its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// The row id.
+    pub id: i64,
+    /// The rendered advisory key.
+    pub key: String,
+}
+
+/// What a settlement does to the row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Delete the row, or set `processed_at`.
+    Ack,
+    /// Put the row back; with a due time (unix milliseconds) it waits until then.
+    Retry {
+        /// When the row is due again, if later than now.
+        due_ms: Option<i64>,
+    },
+    /// Move the row to the dead-letter table, or set the dead-letter column.
+    DeadLetter,
+}
+
+/// A settlement: which row, what to do, and the host's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settle {
+    /// The row id.
+    pub id: i64,
+    /// What to do.
+    pub action: Action,
+    /// The host's clock, unix milliseconds (written into `processed_at` and the like).
+    pub now_ms: i64,
+}
+
+/// The token a lease claim hands out: a settlement or renewal takes effect only while the row
+/// still holds both values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseToken {
+    /// The expiry written into `locked_until`, unix milliseconds at a whole second.
+    pub expires_ms: i64,
+    /// The attempt column's value after the claim counted this delivery.
+    pub attempt: i64,
+}
+
+/// What a row lock claim hands out: the open transaction and the row it locked.
+pub type RowLockClaim<DB> = (Transaction<'static, DB>, ClaimedRow<DB>);
+
+/// Row lock mode: an open transaction holds each claimed row.
+pub trait RowLockStrategy: Send + Sync + 'static {
+    /// The database.
+    type Db: Database;
+
+    /// Opens a transaction and takes one due row with `FOR UPDATE SKIP LOCKED`; the transaction
+    /// stays open while the handler runs. `Ok(None)` when no row is due.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a dropped claim may leave its connection mid-statement. The engine never
+    /// cancels it.
+    fn claim(
+        &self,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<Option<RowLockClaim<Self::Db>>>> + Send;
+
+    /// Runs the settlement in the claim's transaction and commits it. A retry or dead letter
+    /// rolls back the handler's writes first, then counts the attempt.
+    fn settle(
+        &self,
+        tx: Transaction<'static, Self::Db>,
+        settle: Settle,
+    ) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// Lease mode: an expiry in `locked_until` holds each claimed row.
+pub trait LeaseStrategy: Send + Sync + 'static {
+    /// The database.
+    type Db: Database;
+
+    /// Claims up to `limit` due rows: writes `expires_ms` into `locked_until`, counts the
+    /// attempt, and commits at once. Rows come back with the attempt before the claim.
+    fn claim(
+        &self,
+        limit: usize,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> impl Future<Output = Result<Vec<ClaimedRow<Self::Db>>>> + Send;
+
+    /// Moves the expiry of row `id` from `token` to `expires_ms`; `false` when the row no longer
+    /// holds the token (the lease was lost).
+    fn renew(
+        &self,
+        id: i64,
+        token: LeaseToken,
+        expires_ms: i64,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Settles row `settle.id` while it still holds `token`; `false` (and nothing changed) when
+    /// it does not.
+    fn settle(
+        &self,
+        token: LeaseToken,
+        settle: Settle,
+    ) -> impl Future<Output = Result<bool>> + Send;
+}
+
+/// Advisory mode: a key lock, on a connection of its own, holds every row with that key.
+pub trait AdvisoryStrategy: Send + Sync + 'static {
+    /// The database.
+    type Db: Database;
+    /// A held key lock. Dropping it without [`unlock`](Self::unlock) must still free the key
+    /// (e.g. by closing its connection).
+    type KeyLock: Send + 'static;
+
+    /// Due rows with their keys, best first, at most `limit`.
+    fn candidates(
+        &self,
+        limit: usize,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<Vec<Candidate>>> + Send;
+
+    /// Tries the key's lock without waiting; `None` when another session holds it.
+    fn try_lock(&self, key: &str) -> impl Future<Output = Result<Option<Self::KeyLock>>> + Send;
+
+    /// Takes row `id` (counting the attempt and reading the row) only while it is still
+    /// claimable; `None` when it no longer is.
+    fn take(
+        &self,
+        lock: &mut Self::KeyLock,
+        id: i64,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<Option<ClaimedRow<Self::Db>>>> + Send;
+
+    /// Settles a taken row; the key stays locked.
+    fn settle(
+        &self,
+        lock: &mut Self::KeyLock,
+        settle: Settle,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Frees the key.
+    fn unlock(&self, lock: Self::KeyLock) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// The strategy type of a mode a backend does not offer: it has no values, so no code path can
+/// reach it.
+#[derive(Debug)]
+pub enum NotOffered<DB> {
+    #[doc(hidden)]
+    _Never(
+        std::convert::Infallible,
+        std::marker::PhantomData<fn() -> DB>,
+    ),
+}
+
+impl<DB: Database> RowLockStrategy for NotOffered<DB> {
+    type Db = DB;
+    async fn claim(&self, _now_ms: i64) -> Result<Option<RowLockClaim<DB>>> {
+        match self {
+            NotOffered::_Never(never, _) => match *never {},
+        }
+    }
+    async fn settle(&self, _tx: Transaction<'static, DB>, _settle: Settle) -> Result<()> {
+        match self {
+            NotOffered::_Never(never, _) => match *never {},
+        }
+    }
+}
+
+/// One prepared table: the strategy of its mode, with statements built for it.
+#[derive(Debug)]
+pub enum Prepared<B: Backend> {
+    /// Row lock mode.
+    RowLock(B::RowLock),
+    /// Lease mode.
+    Lease(B::Lease),
+    /// Advisory mode.
+    Advisory(B::Advisory),
+}
+
+/// What the row of one id looks like now (see [`Backend::row_state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RowState {
+    /// The attempt column.
+    pub attempt: i64,
+    /// The lease expiry, unix milliseconds, if set.
+    pub locked_until_ms: Option<i64>,
+    /// The due time, unix milliseconds, if set.
+    pub due_ms: Option<i64>,
+    /// Whether `processed_at` is set.
+    pub processed: bool,
+    /// Whether the row is dead-lettered (moved to the dead-letter table, or marked).
+    pub dead: bool,
+}
+
+impl RowState {
+    /// A row state from its parts.
+    pub fn new(
+        attempt: i64,
+        locked_until_ms: Option<i64>,
+        due_ms: Option<i64>,
+        processed: bool,
+        dead: bool,
+    ) -> Self {
+        Self {
+            attempt,
+            locked_until_ms,
+            due_ms,
+            processed,
+            dead,
+        }
+    }
+}
+
+/// A database backend: it prepares a table's strategy, publishes rows, and writes DDL.
+pub trait Backend: Clone + Send + Sync + Sized + 'static {
+    /// The sqlx database.
+    type Db: Database;
+    /// Row lock mode ([`NotOffered`] where the database has no row locks).
+    type RowLock: RowLockStrategy<Db = Self::Db>;
+    /// Lease mode.
+    type Lease: LeaseStrategy<Db = Self::Db>;
+    /// Advisory mode.
+    type Advisory: AdvisoryStrategy<Db = Self::Db>;
+
+    /// What this backend can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// The pool the broker runs on.
+    fn pool(&self) -> &Pool<Self::Db>;
+
+    /// Checks the server version, the table and its columns, and prepares every statement of
+    /// the table's mode.
+    fn prepare(
+        &self,
+        table: &Arc<TableDescription>,
+    ) -> impl Future<Output = Result<Prepared<Self>>> + Send;
+
+    /// Inserts rows on `conn` (a pool connection or the caller's transaction); returns the id of
+    /// each row, in order.
+    fn publish<'c, P>(
+        &self,
+        conn: &'c mut <Self::Db as Database>::Connection,
+        table: &TableDescription,
+        jobs: &[NewJob<P>],
+    ) -> impl Future<Output = Result<Vec<i64>>> + Send
+    where
+        P: for<'q> sqlx::Encode<'q, Self::Db> + sqlx::Type<Self::Db> + Send + Sync;
+
+    /// The row `id` now, or `None` when it is gone (acked by deletion).
+    fn row_state(
+        &self,
+        table: &TableDescription,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<RowState>>> + Send;
+
+    /// The DDL for a description: the table, the index the claim needs, and the dead-letter
+    /// table if there is one.
+    fn ddl(&self, table: &TableDescription) -> Vec<String>;
+
+    /// The statements that drop what [`ddl`](Self::ddl) creates.
+    fn drop_ddl(&self, table: &TableDescription) -> Vec<String>;
+
+    /// Runs DDL statements in order on one connection.
+    fn execute_ddl(&self, statements: &[String]) -> impl Future<Output = Result<()>> + Send;
+
+    /// Starts delivering wake-ups from other processes for `table` into `wake`, where the
+    /// database can (see [`Capabilities::cross_process_wakeups`]). The poll stays the fallback.
+    fn listen(
+        &self,
+        table: &Arc<TableDescription>,
+        wake: Arc<tokio::sync::Notify>,
+    ) -> impl Future<Output = Result<Option<tokio::task::JoinHandle<()>>>> + Send;
+}

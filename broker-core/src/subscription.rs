@@ -1,0 +1,484 @@
+//! The subscription engine: overlapping claims for free worker slots, handlers with lease
+//! renewal, settlement, and graceful shutdown. Backend-independent.
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use sqlx::{Database, FromRow};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::JoinSet;
+use tracing::Instrument;
+
+use crate::broker::Queue;
+use crate::delivery::{Delivery, Outcome, renew_lease};
+use crate::metrics::{InWork, Metrics, MetricsSnapshot};
+use crate::strategy::Backend;
+use crate::table::ClaimMode;
+
+/// A boxed, sendable future, as handlers return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A handler's error: it becomes a retry (with the subscription's backoff), never a lost row.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a handler returns.
+pub type HandlerResult = Result<Outcome, BoxError>;
+
+/// How a subscription runs.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct SubscribeOptions {
+    name: String,
+    concurrency: usize,
+    batch_size: usize,
+    poll_interval: Duration,
+    shutdown_timeout: Duration,
+    error_backoff: Duration,
+    error_backoff_max: Duration,
+    max_claims_in_flight: Option<usize>,
+}
+
+impl Default for SubscribeOptions {
+    fn default() -> Self {
+        Self {
+            name: "subscription".into(),
+            concurrency: 1,
+            batch_size: 16,
+            poll_interval: Duration::from_secs(1),
+            shutdown_timeout: Duration::from_secs(30),
+            error_backoff: Duration::from_secs(1),
+            error_backoff_max: Duration::from_secs(300),
+            max_claims_in_flight: None,
+        }
+    }
+}
+
+impl SubscribeOptions {
+    /// The defaults: 1 delivery in work, batches of 16, a 1 s poll, a 30 s shutdown deadline,
+    /// and an error backoff of 1 s doubling to 5 min.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// A name for logs and spans.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+    /// How many deliveries may be in work at once (at least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+    /// The most rows one claim asks for (at least 1). A claim asks for as many rows as there are
+    /// free slots, up to this. Row lock mode claims one row per transaction, so its claims run
+    /// side by side instead.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+    /// How long an idle subscription waits before it looks again when nothing wakes it.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+    /// How long shutdown waits for handlers in work before it drops them (their rows are
+    /// released as a dropped delivery's are).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+    /// The delay before retrying a row whose handler failed or panicked: `base` doubled per
+    /// attempt, at most `max`. Zero retries at once. Needs a due-time column; without one,
+    /// failed rows are retried at once.
+    pub fn error_backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.error_backoff = base;
+        self.error_backoff_max = max;
+        self
+    }
+    /// How many claims may run at once (default: 2, or `concurrency` in row lock mode, where each
+    /// claim takes one row).
+    pub fn max_claims_in_flight(mut self, n: usize) -> Self {
+        self.max_claims_in_flight = Some(n.max(1));
+        self
+    }
+
+    fn backoff(&self, attempt: i64) -> Duration {
+        if self.error_backoff.is_zero() {
+            return Duration::ZERO;
+        }
+        let doublings = u32::try_from(attempt.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
+        self.error_backoff
+            .saturating_mul(1u32 << doublings)
+            .min(self.error_backoff_max)
+    }
+}
+
+/// The handler, boxed once so the engine's tasks can share it.
+pub(crate) struct Handler<B: Backend, T> {
+    #[allow(clippy::type_complexity)]
+    f: Arc<dyn for<'a> Fn(&'a mut Delivery<B, T>) -> BoxFuture<'a, HandlerResult> + Send + Sync>,
+}
+
+impl<B: Backend, T> Clone for Handler<B, T> {
+    fn clone(&self) -> Self {
+        Self { f: self.f.clone() }
+    }
+}
+
+impl<B: Backend, T> Handler<B, T> {
+    pub(crate) fn new<F>(f: F) -> Self
+    where
+        F: for<'a> Fn(&'a mut Delivery<B, T>) -> BoxFuture<'a, HandlerResult>
+            + Send
+            + Sync
+            + 'static,
+    {
+        Self { f: Arc::new(f) }
+    }
+}
+
+/// What a shutdown found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Handlers that finished (and were settled) during shutdown.
+    pub finished: usize,
+    /// Handlers still running at the deadline, dropped (their rows released).
+    pub dropped: usize,
+}
+
+/// A running subscription. Dropping it stops claiming and lets the engine wind down in the
+/// background; [`shutdown`](Self::shutdown) waits for that.
+pub struct Subscription {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<ShutdownReport>>,
+    metrics: Arc<dyn Fn() -> MetricsSnapshot + Send + Sync>,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("metrics", &self.metrics())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Subscription {
+    /// The counters of the subscription's queue.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        (self.metrics)()
+    }
+
+    /// Graceful shutdown: stops claiming, waits for handlers in work up to the shutdown
+    /// deadline and settles them, drops the rest (their rows are released), and waits until every
+    /// key lock and connection of this subscription is given back.
+    pub async fn shutdown(mut self) -> ShutdownReport {
+        self.stop.send_replace(true);
+        match self.task.take() {
+            Some(task) => task.await.unwrap_or_default(),
+            None => ShutdownReport::default(),
+        }
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+pub(crate) fn start<B, T>(
+    queue: Queue<B, T>,
+    options: SubscribeOptions,
+    handler: Handler<B, T>,
+) -> Subscription
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let (stop, stop_rx) = watch::channel(false);
+    let metrics_queue = queue.clone();
+    let metrics = Arc::new(move || metrics_queue.metrics());
+    let task = tokio::spawn(run(queue, options, handler, stop_rx));
+    Subscription {
+        stop,
+        task: Some(task),
+        metrics,
+    }
+}
+
+type Claimed<B, T> = (
+    crate::Result<Vec<Delivery<B, T>>>,
+    Vec<OwnedSemaphorePermit>,
+);
+
+async fn run<B, T>(
+    queue: Queue<B, T>,
+    options: SubscribeOptions,
+    handler: Handler<B, T>,
+    mut stop: watch::Receiver<bool>,
+) -> ShutdownReport
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let inner = queue.inner.clone();
+    let table = inner.table.clone();
+    let span =
+        tracing::info_span!("subscription", subscription = %options.name, table = table.name());
+    let mut broker_stop = inner.broker.shutdown.subscribe();
+    let wake = Arc::new(Notify::new());
+    inner.broker.register_waker(table.name(), &wake);
+    let listener = match inner.broker.backend.listen(&table, wake.clone()).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(parent: &span, error = %e, "cross-process wake-ups unavailable; polling");
+            None
+        }
+    };
+    let row_lock = table.mode() == ClaimMode::RowLock;
+    let batch = if row_lock { 1 } else { options.batch_size };
+    let max_claims =
+        options
+            .max_claims_in_flight
+            .unwrap_or(if row_lock { options.concurrency } else { 2 });
+    let slots = Arc::new(Semaphore::new(options.concurrency));
+    let mut claims: JoinSet<Claimed<B, T>> = JoinSet::new();
+    let mut handlers: JoinSet<()> = JoinSet::new();
+    let options = Arc::new(options);
+    let mut idle = false;
+
+    let stopped = |s: &watch::Receiver<bool>, b: &watch::Receiver<bool>| *s.borrow() || *b.borrow();
+    loop {
+        if stopped(&stop, &broker_stop) {
+            break;
+        }
+        if idle {
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(options.poll_interval) => {}
+                _ = stop.changed() => continue,
+                _ = broker_stop.changed() => continue,
+                Some(done) = claims.join_next() => {
+                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                    continue;
+                }
+                Some(_) = handlers.join_next() => continue,
+            }
+            idle = false;
+            continue;
+        }
+        if claims.len() >= max_claims {
+            tokio::select! {
+                _ = stop.changed() => {}
+                _ = broker_stop.changed() => {}
+                Some(done) = claims.join_next() => {
+                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                }
+                Some(_) = handlers.join_next() => {}
+            }
+            continue;
+        }
+        let first = tokio::select! {
+            permit = slots.clone().acquire_owned() => permit.expect("the slot semaphore is never closed"),
+            _ = stop.changed() => continue,
+            _ = broker_stop.changed() => continue,
+            Some(done) = claims.join_next() => {
+                idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                continue;
+            }
+            Some(_) = handlers.join_next() => continue,
+        };
+        let mut permits = vec![first];
+        while permits.len() < batch {
+            match slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let q = queue.clone();
+        claims.spawn(
+            async move {
+                let result = q.claim(permits.len()).await;
+                (result, permits)
+            }
+            .instrument(span.clone()),
+        );
+    }
+
+    // Shutdown: claims in flight finish and their rows are handled like the rest; then handlers
+    // get until the deadline.
+    let deadline = tokio::time::Instant::now() + options.shutdown_timeout;
+    while let Some(done) = claims.join_next().await {
+        on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+    }
+    let mut report = ShutdownReport::default();
+    let waited = tokio::time::timeout_at(deadline, async {
+        while handlers.join_next().await.is_some() {
+            report.finished += 1;
+        }
+    })
+    .await;
+    if waited.is_err() {
+        report.dropped = handlers.len();
+        tracing::warn!(parent: &span, dropped = report.dropped, "shutdown deadline passed; dropping handlers in work");
+        handlers.abort_all();
+        while handlers.join_next().await.is_some() {}
+    }
+    if let Some(l) = listener {
+        l.abort();
+        let _ = l.await;
+    }
+    inner.broker.drain_cleanups().await;
+    tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
+    report
+}
+
+/// Starts a handler task for each claimed row; returns whether the table looked drained (the
+/// claim got fewer rows than it asked for, or failed), so the loop waits for a wake-up or poll.
+fn on_claimed<B, T>(
+    done: Result<Claimed<B, T>, tokio::task::JoinError>,
+    queue: &Queue<B, T>,
+    handler: &Handler<B, T>,
+    options: &Arc<SubscribeOptions>,
+    handlers: &mut JoinSet<()>,
+    span: &tracing::Span,
+) -> bool
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let Ok((result, mut permits)) = done else {
+        tracing::error!(parent: span, "a claim task panicked");
+        return true;
+    };
+    match result {
+        Ok(deliveries) => {
+            let asked = permits.len();
+            let got = deliveries.len();
+            for d in deliveries {
+                let permit = permits.pop().expect("a claim asks for at most its permits");
+                let h = handler.clone();
+                let q = queue.clone();
+                let o = options.clone();
+                handlers.spawn(work(q, d, h, o, permit).instrument(span.clone()));
+            }
+            got < asked
+        }
+        Err(e) => {
+            Metrics::add(&queue.inner.metrics.claim_errors, 1);
+            tracing::warn!(parent: span, error = %e, "claim failed; trying again after the poll interval");
+            true
+        }
+    }
+}
+
+/// One delivery in work: renewal alongside the handler, then settlement.
+async fn work<B, T>(
+    queue: Queue<B, T>,
+    mut delivery: Delivery<B, T>,
+    handler: Handler<B, T>,
+    options: Arc<SubscribeOptions>,
+    _permit: OwnedSemaphorePermit,
+) where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let inner = &queue.inner;
+    let _in_work = InWork::enter(&inner.metrics.in_work);
+    let id = delivery.id();
+    let attempt = delivery.attempt();
+    let span = tracing::info_span!("delivery", id, attempt);
+    let renewal = delivery.lease_cell().map(|cell| {
+        let (tx, mut rx) = watch::channel(false);
+        let q = inner.clone();
+        let half = table_half_lease(inner.table.lease_seconds());
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(half) => {}
+                    _ = rx.changed() => return,
+                }
+                // The renewal statement itself is never cancelled: stopping waits for it.
+                if let Err(e) = renew_lease(&q, id, &cell).await {
+                    tracing::warn!(table = q.name(), id, error = %e, "lease renewal failed");
+                    if cell.is_lost() {
+                        return;
+                    }
+                }
+            }
+        });
+        (tx, task)
+    });
+
+    let result = CatchUnwind((handler.f)(&mut delivery))
+        .instrument(span.clone())
+        .await;
+
+    if let Some((tx, task)) = renewal {
+        tx.send_replace(true);
+        let _ = task.await;
+    }
+    let backoff_due = |attempt| {
+        let d = options.backoff(attempt);
+        if d.is_zero() || inner.table.due_at().is_none() {
+            Outcome::Retry
+        } else {
+            Outcome::RetryAfter(d)
+        }
+    };
+    let outcome = match result {
+        Ok(Ok(Outcome::RetryAfter(d))) if inner.table.due_at().is_none() && !d.is_zero() => {
+            tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
+            Outcome::Retry
+        }
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(e)) => {
+            Metrics::add(&inner.metrics.handler_errors, 1);
+            tracing::warn!(parent: &span, error = %e, "handler failed; retrying");
+            backoff_due(attempt)
+        }
+        Err(panic) => {
+            Metrics::add(&inner.metrics.panics, 1);
+            tracing::error!(parent: &span, panic = panic_message(&panic), "handler panicked; retrying");
+            backoff_due(attempt)
+        }
+    };
+    if let Err(e) = delivery.settle(outcome).await {
+        tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+    }
+}
+
+fn table_half_lease(lease_seconds: u32) -> Duration {
+    Duration::from_millis(u64::from(lease_seconds) * 500)
+}
+
+fn panic_message(panic: &Box<dyn Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// Catches a panic inside the handler's future, so a panicking handler becomes a retry and its
+/// worker slot survives.
+struct CatchUnwind<F>(F);
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}

@@ -1,0 +1,632 @@
+//! The table description: which column plays which role, and the claim mode that follows.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::{Result, SqlxBrokerError};
+
+/// What holds a claimed row while its handler runs (SPEC section 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClaimMode {
+    /// An open transaction holds the row (`FOR UPDATE SKIP LOCKED`). Chosen when the description
+    /// sets neither `locked_until` nor `advisory_lock`.
+    RowLock,
+    /// An expiry written into the `locked_until` column holds the row.
+    Lease,
+    /// A key lock, on a connection of its own, holds every row with that key.
+    Advisory,
+}
+
+impl fmt::Display for ClaimMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::RowLock => "row lock",
+            Self::Lease => "lease",
+            Self::Advisory => "advisory lock",
+        })
+    }
+}
+
+/// The SQL type of a column the DDL helper creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnType {
+    /// Text (`TEXT`; `VARCHAR(255)` on MySQL where the column is indexed).
+    Text,
+    /// A 64-bit integer.
+    BigInt,
+    /// A JSON document (`JSONB` on PostgreSQL, `JSON` on MySQL, `TEXT` on SQLite).
+    Json,
+    /// Bytes (`BYTEA`, `LONGBLOB`, `BLOB`).
+    Bytes,
+}
+
+/// Where a row goes when it is dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetter {
+    /// The row moves to this table, which has the same columns in the same order (the DDL helper
+    /// creates it).
+    Table(String),
+    /// The row stays and this timestamp column is set; claims skip rows where it is set.
+    Column(String),
+}
+
+/// The isolation level a claim transaction opens at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IsolationLevel {
+    /// READ COMMITTED (the default for claims on MySQL and MariaDB, and PostgreSQL's default).
+    ReadCommitted,
+    /// REPEATABLE READ.
+    RepeatableRead,
+    /// SERIALIZABLE.
+    Serializable,
+}
+
+impl IsolationLevel {
+    /// The level as SQL spells it.
+    pub fn as_sql(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "READ COMMITTED",
+            Self::RepeatableRead => "REPEATABLE READ",
+            Self::Serializable => "SERIALIZABLE",
+        }
+    }
+}
+
+/// One piece of an advisory key template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// Text copied into the key as it is.
+    Literal(String),
+    /// A column whose value (as text; NULL as the empty string) goes into the key.
+    Column(String),
+}
+
+/// A parsed `advisory_lock` template such as `"accounts-{account}"`.
+///
+/// `{column}` interpolates a column's value; `{{` and `}}` stand for literal braces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyTemplate {
+    source: String,
+    parts: Vec<KeyPart>,
+}
+
+impl KeyTemplate {
+    /// Parses a template; `table` only names the table in errors.
+    pub fn parse(table: &str, template: &str) -> Result<Self> {
+        let err = |what: String| {
+            SqlxBrokerError::description(
+                table,
+                format!("advisory_lock template \"{template}\" {what}"),
+            )
+        };
+        if template.is_empty() {
+            return Err(err(
+                "is empty; name at least one column, e.g. \"account-{account}\"".into(),
+            ));
+        }
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut chars = template.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '{' if chars.peek() == Some(&'{') => {
+                    chars.next();
+                    literal.push('{');
+                }
+                '}' if chars.peek() == Some(&'}') => {
+                    chars.next();
+                    literal.push('}');
+                }
+                '{' => {
+                    let mut column = String::new();
+                    loop {
+                        match chars.next() {
+                            Some('}') => break,
+                            Some('{') => {
+                                return Err(err(
+                                    "opens a brace inside a brace; write {{ for a literal brace"
+                                        .into(),
+                                ));
+                            }
+                            Some(c) => column.push(c),
+                            None => {
+                                return Err(err(
+                                    "has an unbalanced brace: a '{' is never closed; close it or write {{ for a literal brace".into(),
+                                ));
+                            }
+                        }
+                    }
+                    let column = column.trim().to_owned();
+                    if column.is_empty() {
+                        return Err(err(
+                            "has an empty {}; put a column name inside the braces".into()
+                        ));
+                    }
+                    if !literal.is_empty() {
+                        parts.push(KeyPart::Literal(std::mem::take(&mut literal)));
+                    }
+                    parts.push(KeyPart::Column(column));
+                }
+                '}' => {
+                    return Err(err(
+                        "has an unbalanced brace: a '}' closes nothing; remove it or write }} for a literal brace".into(),
+                    ));
+                }
+                c => literal.push(c),
+            }
+        }
+        if !literal.is_empty() {
+            parts.push(KeyPart::Literal(literal));
+        }
+        if !parts.iter().any(|p| matches!(p, KeyPart::Column(_))) {
+            return Err(err(
+                "names no column, so every row would share one key; add a {column}".into(),
+            ));
+        }
+        Ok(Self {
+            source: template.to_owned(),
+            parts,
+        })
+    }
+
+    /// The template as written.
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// The parsed pieces, in order.
+    pub fn parts(&self) -> &[KeyPart] {
+        &self.parts
+    }
+
+    /// The columns the template reads, in order of first use, without repeats.
+    pub fn columns(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for part in &self.parts {
+            if let KeyPart::Column(c) = part
+                && !out.contains(&c.as_str())
+            {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// Renders the key from the template columns' values, given in the order of
+    /// [`columns`](Self::columns); `None` renders as the empty string.
+    pub fn render(&self, values: &[Option<String>]) -> String {
+        let columns = self.columns();
+        let mut key = String::new();
+        for part in &self.parts {
+            match part {
+                KeyPart::Literal(text) => key.push_str(text),
+                KeyPart::Column(c) => {
+                    let i = columns.iter().position(|x| x == c).unwrap_or(usize::MAX);
+                    if let Some(Some(v)) = values.get(i) {
+                        key.push_str(v);
+                    }
+                }
+            }
+        }
+        key
+    }
+}
+
+/// A queue table: its name, which column plays which role, and the claim mode that follows.
+///
+/// Build one with [`TableDescription::builder`]; every invalid combination is refused by
+/// [`TableBuilder::build`] with an error that names the table and what to change.
+#[derive(Debug, Clone)]
+pub struct TableDescription {
+    name: String,
+    id: String,
+    payload: Option<(String, ColumnType)>,
+    attempt: String,
+    locked_until: Option<String>,
+    advisory_lock: Option<KeyTemplate>,
+    group: Option<String>,
+    fifo: bool,
+    priority: Option<String>,
+    due_at: Option<String>,
+    processed_at: Option<String>,
+    lease_seconds: u32,
+    isolation: Option<IsolationLevel>,
+    max_attempts: Option<u32>,
+    dead_letter: Option<DeadLetter>,
+    columns: Vec<(String, ColumnType)>,
+    mode: ClaimMode,
+}
+
+/// The lease length when the description sets none.
+pub const DEFAULT_LEASE_SECONDS: u32 = 30;
+
+impl TableDescription {
+    /// Starts a description of the table `name`. The id column defaults to `id` and the attempt
+    /// column to `attempt`.
+    pub fn builder(name: impl Into<String>) -> TableBuilder {
+        TableBuilder {
+            name: name.into(),
+            id: "id".into(),
+            payload: None,
+            attempt: "attempt".into(),
+            locked_until: None,
+            advisory_lock: None,
+            group: None,
+            fifo: false,
+            priority: None,
+            due_at: None,
+            processed_at: None,
+            lease_seconds: None,
+            isolation: None,
+            max_attempts: None,
+            dead_letter: None,
+            columns: Vec::new(),
+        }
+    }
+
+    /// The table's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The id column (a 64-bit integer key).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+    /// The payload column and its type, if the table has one.
+    pub fn payload(&self) -> Option<(&str, ColumnType)> {
+        self.payload.as_ref().map(|(c, t)| (c.as_str(), *t))
+    }
+    /// The attempt column (an integer that starts at 1).
+    pub fn attempt(&self) -> &str {
+        &self.attempt
+    }
+    /// The lease expiry column (lease mode).
+    pub fn locked_until(&self) -> Option<&str> {
+        self.locked_until.as_deref()
+    }
+    /// The advisory key template (advisory mode).
+    pub fn advisory_lock(&self) -> Option<&KeyTemplate> {
+        self.advisory_lock.as_ref()
+    }
+    /// The group column.
+    pub fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+    /// Whether each group is processed in order, one row at a time.
+    pub fn fifo(&self) -> bool {
+        self.fifo
+    }
+    /// The priority column (higher runs first).
+    pub fn priority(&self) -> Option<&str> {
+        self.priority.as_deref()
+    }
+    /// The due-time column (delayed retries and scheduled rows).
+    pub fn due_at(&self) -> Option<&str> {
+        self.due_at.as_deref()
+    }
+    /// The column an ack sets instead of deleting the row.
+    pub fn processed_at(&self) -> Option<&str> {
+        self.processed_at.as_deref()
+    }
+    /// The lease length in whole seconds.
+    pub fn lease_seconds(&self) -> u32 {
+        self.lease_seconds
+    }
+    /// The lease length.
+    pub fn lease(&self) -> Duration {
+        Duration::from_secs(u64::from(self.lease_seconds))
+    }
+    /// The isolation level claim transactions open at, if the description sets one.
+    pub fn isolation(&self) -> Option<IsolationLevel> {
+        self.isolation
+    }
+    /// The number of deliveries after which a failing row is dead-lettered.
+    pub fn max_attempts(&self) -> Option<u32> {
+        self.max_attempts
+    }
+    /// Where dead-lettered rows go.
+    pub fn dead_letter(&self) -> Option<&DeadLetter> {
+        self.dead_letter.as_ref()
+    }
+    /// Further columns the description declares (read by the key template, created by the DDL
+    /// helper).
+    pub fn columns(&self) -> &[(String, ColumnType)] {
+        &self.columns
+    }
+    /// The claim mode the description selects.
+    pub fn mode(&self) -> ClaimMode {
+        self.mode
+    }
+
+    /// Every column the description names, with the role it plays, for startup checks.
+    pub fn named_columns(&self) -> Vec<(&str, &'static str)> {
+        let mut out = vec![(self.id.as_str(), "id"), (self.attempt.as_str(), "attempt")];
+        let optional = [
+            (self.payload.as_ref().map(|p| p.0.as_str()), "payload"),
+            (self.locked_until.as_deref(), "locked_until"),
+            (self.group.as_deref(), "group"),
+            (self.priority.as_deref(), "priority"),
+            (self.due_at.as_deref(), "due_at"),
+            (self.processed_at.as_deref(), "processed_at"),
+            (
+                match &self.dead_letter {
+                    Some(DeadLetter::Column(c)) => Some(c.as_str()),
+                    _ => None,
+                },
+                "dead_letter",
+            ),
+        ];
+        out.extend(optional.into_iter().filter_map(|(c, r)| c.map(|c| (c, r))));
+        out.extend(self.columns.iter().map(|(c, _)| (c.as_str(), "column")));
+        out
+    }
+}
+
+/// Builds a [`TableDescription`]; see [`TableDescription::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct TableBuilder {
+    name: String,
+    id: String,
+    payload: Option<(String, ColumnType)>,
+    attempt: String,
+    locked_until: Option<String>,
+    advisory_lock: Option<String>,
+    group: Option<String>,
+    fifo: bool,
+    priority: Option<String>,
+    due_at: Option<String>,
+    processed_at: Option<String>,
+    lease_seconds: Option<u32>,
+    isolation: Option<IsolationLevel>,
+    max_attempts: Option<u32>,
+    dead_letter: Option<DeadLetter>,
+    columns: Vec<(String, ColumnType)>,
+}
+
+impl TableBuilder {
+    /// The id column (default `id`): a 64-bit integer primary key.
+    pub fn id(mut self, column: impl Into<String>) -> Self {
+        self.id = column.into();
+        self
+    }
+    /// A payload column of the given type. Without one, handlers read whole rows through
+    /// `sqlx::FromRow`.
+    pub fn payload(mut self, column: impl Into<String>, ty: ColumnType) -> Self {
+        self.payload = Some((column.into(), ty));
+        self
+    }
+    /// The attempt column (default `attempt`): an integer that starts at 1.
+    pub fn attempt(mut self, column: impl Into<String>) -> Self {
+        self.attempt = column.into();
+        self
+    }
+    /// A lease expiry column: selects lease mode.
+    pub fn locked_until(mut self, column: impl Into<String>) -> Self {
+        self.locked_until = Some(column.into());
+        self
+    }
+    /// An advisory key template such as `"accounts-{account}"`: selects advisory mode.
+    pub fn advisory_lock(mut self, template: impl Into<String>) -> Self {
+        self.advisory_lock = Some(template.into());
+        self
+    }
+    /// A group column (text).
+    pub fn group(mut self, column: impl Into<String>) -> Self {
+        self.group = Some(column.into());
+        self
+    }
+    /// Process each group in order, one row at a time (needs a group column).
+    pub fn fifo(mut self, fifo: bool) -> Self {
+        self.fifo = fifo;
+        self
+    }
+    /// A priority column (integer, higher runs first).
+    pub fn priority(mut self, column: impl Into<String>) -> Self {
+        self.priority = Some(column.into());
+        self
+    }
+    /// A due-time column: rows with a future due time are scheduled, and delayed retries set it.
+    pub fn due_at(mut self, column: impl Into<String>) -> Self {
+        self.due_at = Some(column.into());
+        self
+    }
+    /// A timestamp column that an ack sets instead of deleting the row.
+    pub fn processed_at(mut self, column: impl Into<String>) -> Self {
+        self.processed_at = Some(column.into());
+        self
+    }
+    /// The lease length in whole seconds (lease mode only; default 30).
+    pub fn lease_seconds(mut self, seconds: u32) -> Self {
+        self.lease_seconds = Some(seconds);
+        self
+    }
+    /// The isolation level claim transactions open at.
+    pub fn isolation(mut self, level: IsolationLevel) -> Self {
+        self.isolation = Some(level);
+        self
+    }
+    /// Dead-letter a row when a delivery fails and it has had this many (needs a dead-letter
+    /// target).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = Some(attempts);
+        self
+    }
+    /// Where dead-lettered rows go.
+    pub fn dead_letter(mut self, target: DeadLetter) -> Self {
+        self.dead_letter = Some(target);
+        self
+    }
+    /// Declares a further column (read by the key template, created by the DDL helper).
+    pub fn column(mut self, column: impl Into<String>, ty: ColumnType) -> Self {
+        self.columns.push((column.into(), ty));
+        self
+    }
+
+    /// Checks the description and chooses its claim mode (SPEC section 2).
+    pub fn build(self) -> Result<TableDescription> {
+        let table = self.name.clone();
+        let bad = |message: String| Err(SqlxBrokerError::description(&table, message));
+        if self.name.is_empty() {
+            return bad("the table name is empty; name the table".into());
+        }
+        let mut named: Vec<(&str, &str)> = vec![(&self.id, "id"), (&self.attempt, "attempt")];
+        for (column, role) in [
+            (self.payload.as_ref().map(|p| &p.0), "payload"),
+            (self.locked_until.as_ref(), "locked_until"),
+            (self.group.as_ref(), "group"),
+            (self.priority.as_ref(), "priority"),
+            (self.due_at.as_ref(), "due_at"),
+            (self.processed_at.as_ref(), "processed_at"),
+            (
+                match &self.dead_letter {
+                    Some(DeadLetter::Column(c)) => Some(c),
+                    _ => None,
+                },
+                "dead_letter column",
+            ),
+        ] {
+            if let Some(c) = column {
+                named.push((c, role));
+            }
+        }
+        for (c, _) in &self.columns {
+            named.push((c, "column"));
+        }
+        for (i, (column, role)) in named.iter().enumerate() {
+            if column.is_empty() {
+                return bad(format!("the {role} column name is empty; name the column"));
+            }
+            if column.contains('\0') {
+                return bad(format!(
+                    "the {role} column name contains a NUL character; rename the column"
+                ));
+            }
+            if let Some((_, other)) = named[..i].iter().find(|(c, _)| c == column) {
+                return bad(format!(
+                    "column \"{column}\" is named for two roles ({other} and {role}); give each role its own column"
+                ));
+            }
+        }
+        if self.name.contains('\0') {
+            return bad("the table name contains a NUL character; rename the table".into());
+        }
+        let advisory_lock = match &self.advisory_lock {
+            Some(t) => Some(KeyTemplate::parse(&table, t)?),
+            None => None,
+        };
+        let mode = match (&self.locked_until, &advisory_lock) {
+            (Some(lu), Some(t)) => {
+                return bad(format!(
+                    "sets both locked_until (\"{lu}\", lease mode) and advisory_lock (\"{}\", advisory mode); keep one of them",
+                    t.as_str()
+                ));
+            }
+            (Some(_), None) => ClaimMode::Lease,
+            (None, Some(_)) => ClaimMode::Advisory,
+            (None, None) => ClaimMode::RowLock,
+        };
+        if let Some(t) = &advisory_lock {
+            for column in t.columns() {
+                if !named.iter().any(|(c, _)| *c == column) {
+                    return bad(format!(
+                        "advisory_lock names column \"{column}\", which the table does not have; declare it with .column(\"{column}\", ..) or fix the template"
+                    ));
+                }
+            }
+        }
+        let lease_seconds = match (self.lease_seconds, mode) {
+            (Some(0), _) => {
+                return bad(
+                    "lease_seconds is 0; a lease needs at least 1 second (the default is 30)"
+                        .into(),
+                );
+            }
+            (Some(s), ClaimMode::Lease) => s,
+            (Some(_), _) => {
+                return bad(
+                    "sets lease_seconds, but only lease mode has a lease; add locked_until or drop lease_seconds".into(),
+                );
+            }
+            (None, _) => DEFAULT_LEASE_SECONDS,
+        };
+        if self.fifo && self.group.is_none() {
+            return bad("sets fifo but no group column; add .group(\"..\") or drop fifo".into());
+        }
+        match (self.max_attempts, &self.dead_letter) {
+            (Some(0), _) => {
+                return bad(
+                    "max_attempts is 0; a row needs at least one attempt (set 1 or more)".into(),
+                );
+            }
+            (Some(n), None) => {
+                return bad(format!(
+                    "sets max_attempts ({n}) but no dead-letter target, so an exhausted row would have nowhere to go; add .dead_letter(..)"
+                ));
+            }
+            _ => {}
+        }
+        if let Some(DeadLetter::Table(dead)) = &self.dead_letter {
+            if dead.is_empty() || dead.contains('\0') {
+                return bad("the dead-letter table name is empty or holds a NUL; name it".into());
+            }
+            if *dead == self.name {
+                return bad(
+                    "the dead-letter table is the queue table itself; name another table".into(),
+                );
+            }
+        }
+        Ok(TableDescription {
+            name: self.name,
+            id: self.id,
+            payload: self.payload,
+            attempt: self.attempt,
+            locked_until: self.locked_until,
+            advisory_lock,
+            group: self.group,
+            fifo: self.fifo,
+            priority: self.priority,
+            due_at: self.due_at,
+            processed_at: self.processed_at,
+            lease_seconds,
+            isolation: self.isolation,
+            max_attempts: self.max_attempts,
+            dead_letter: self.dead_letter,
+            columns: self.columns,
+            mode,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_parses_literals_columns_and_escaped_braces() {
+        let t = KeyTemplate::parse("t", "acc-{account}/{{x}}-{region}-{account}").unwrap();
+        assert_eq!(t.columns(), vec!["account", "region"]);
+        assert_eq!(
+            t.render(&[Some("7".into()), None]),
+            "acc-7/{x}--7".to_owned()
+        );
+    }
+
+    #[test]
+    fn bad_templates_say_what_to_change() {
+        for (template, needle) in [
+            ("", "is empty"),
+            ("a-{b", "never closed"),
+            ("a-}b", "closes nothing"),
+            ("a-{}", "empty {}"),
+            ("a-{{b}}", "names no column"),
+            ("a-{b{c}}", "inside a brace"),
+        ] {
+            let e = KeyTemplate::parse("jobs", template)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{template:?}: {e}");
+            assert!(e.starts_with("table \"jobs\""), "{e}");
+        }
+    }
+}

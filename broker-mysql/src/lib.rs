@@ -1,0 +1,1 @@
+//! Placeholder: this backend arrives with its own issue.

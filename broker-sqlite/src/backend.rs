@@ -1,0 +1,271 @@
+//! The SQLite backend: connection settings, preparation, publish, and row inspection.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use broker_core::strategy::{ClaimedRow, NotOffered, Prepared, alias};
+use broker_core::{
+    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
+    SqlxBrokerError, TableDescription, Value,
+};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
+use sqlx::{Executor, Row, Sqlite, SqliteConnection, SqlitePool};
+
+use crate::advisory::SqliteAdvisory;
+use crate::keys::KeyTable;
+use crate::lease::SqliteLease;
+use crate::sql::ident;
+use crate::{schema, version};
+
+/// A broker on SQLite.
+pub type SqliteBroker = Broker<SqliteBackend>;
+
+/// The SQLite backend: lease and advisory modes (no row locks), keys held in this process.
+#[derive(Debug, Clone)]
+pub struct SqliteBackend {
+    pool: SqlitePool,
+    keys: Arc<KeyTable>,
+}
+
+impl SqliteBackend {
+    /// A backend on an existing pool. Its connections should use WAL and a busy timeout (see
+    /// [`SqliteBackend::connect_options`]).
+    pub fn new(pool: SqlitePool) -> Self {
+        let keys = KeyTable::for_file(pool.connect_options().get_filename());
+        Self { pool, keys }
+    }
+
+    /// Connection settings for a queue database: created if missing, WAL (readers never block
+    /// the writer), and a busy timeout, so concurrent workers wait for the one writer instead of
+    /// failing with "database is locked".
+    pub fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
+        let options =
+            SqliteConnectOptions::from_str(url).map_err(|e| SqlxBrokerError::Statement {
+                table: String::new(),
+                name: "connect",
+                source: e,
+            })?;
+        Ok(options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(30)))
+    }
+
+    /// Opens a pool on `url` (e.g. `sqlite:jobs.db`) with [`connect_options`](Self::connect_options)
+    /// and returns a broker on it.
+    pub async fn connect(url: &str) -> Result<SqliteBroker> {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(Self::connect_options(url)?)
+            .await
+            .map_err(|e| SqlxBrokerError::Statement {
+                table: String::new(),
+                name: "connect",
+                source: e,
+            })?;
+        Ok(Broker::new(Self::new(pool)))
+    }
+
+    /// How many advisory keys this process holds in the backend's database file now.
+    pub fn held_keys(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether this process holds `key` in the backend's database file now.
+    pub fn is_key_held(&self, key: &str) -> bool {
+        self.keys.is_held(key)
+    }
+}
+
+/// attempt, locked_until, due_at, processed, dead.
+type StateRow = (i64, Option<i64>, Option<i64>, bool, bool);
+
+/// Reads the broker's columns of a claimed row.
+pub(crate) fn claimed(
+    table: &TableDescription,
+    row: SqliteRow,
+    key: Option<String>,
+) -> Result<ClaimedRow<Sqlite>> {
+    let err = |e| SqlxBrokerError::statement(table.name(), "claim", e);
+    Ok(ClaimedRow {
+        id: row.try_get(alias::ID).map_err(err)?,
+        attempt: row.try_get(alias::ATTEMPT).map_err(err)?,
+        key,
+        row,
+    })
+}
+
+async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {
+    pool.acquire()
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
+}
+
+impl Backend for SqliteBackend {
+    type Db = Sqlite;
+    type RowLock = NotOffered<Sqlite>;
+    type Lease = SqliteLease;
+    type Advisory = SqliteAdvisory;
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = Capabilities::default_for("SQLite");
+        caps.row_lock = false;
+        caps.process_local_keys = true;
+        caps.cross_process_wakeups = false;
+        caps
+    }
+
+    fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
+        let mut conn = acquire(&self.pool, table.name()).await?;
+        let found: String = sqlx::query_scalar("SELECT sqlite_version()")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
+        version::check(&found)?;
+        let prepared = match table.mode() {
+            ClaimMode::Lease => {
+                let s = SqliteLease::new(self.pool.clone(), table.clone());
+                schema::check(&mut conn, table, &s.statements()).await?;
+                Prepared::Lease(s)
+            }
+            ClaimMode::Advisory => {
+                let s = SqliteAdvisory::new(self.pool.clone(), table.clone(), self.keys.clone());
+                schema::check(&mut conn, table, &s.statements()).await?;
+                Prepared::Advisory(s)
+            }
+            ClaimMode::RowLock => {
+                return Err(SqlxBrokerError::ModeNotOffered {
+                    table: table.name().to_owned(),
+                    mode: ClaimMode::RowLock,
+                    database: "SQLite",
+                    hint: "SQLite has no row locks; add a locked_until column (lease mode) or an advisory_lock template",
+                });
+            }
+        };
+        Ok(prepared)
+    }
+
+    async fn publish<'c, P>(
+        &self,
+        conn: &'c mut SqliteConnection,
+        table: &TableDescription,
+        jobs: &[NewJob<P>],
+    ) -> Result<Vec<i64>>
+    where
+        P: for<'q> sqlx::Encode<'q, Sqlite> + sqlx::Type<Sqlite> + Send + Sync,
+    {
+        let plan = broker_core::strategy::PublishPlan::new(table, jobs)?;
+        let mut ids = Vec::with_capacity(jobs.len());
+        // Stay well under SQLite's bound-parameter limit.
+        let per_statement = (30_000 / plan.width()).clamp(1, 500);
+        for chunk in jobs.chunks(per_statement) {
+            let row = format!("({})", vec!["?"; plan.width()].join(", "));
+            let sql = format!(
+                "INSERT INTO {} ({}) VALUES {} RETURNING {}",
+                ident(table.name()),
+                plan.columns()
+                    .iter()
+                    .map(|c| ident(c))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                vec![row; chunk.len()].join(", "),
+                ident(table.id()),
+            );
+            let mut q = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql));
+            for job in chunk {
+                q = q.bind(job.payload());
+                for value in plan.values(job) {
+                    q = match value {
+                        Value::Null => q.bind(None::<i64>),
+                        Value::Text(s) => q.bind(s),
+                        Value::BigInt(i) => q.bind(i),
+                    };
+                }
+            }
+            ids.extend(
+                q.fetch_all(&mut *conn)
+                    .await
+                    .map_err(|e| SqlxBrokerError::statement(table.name(), "publish", e))?,
+            );
+        }
+        // RETURNING hands rows back in no promised order; ids grow with insertion order.
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {
+        let time = |c: Option<&str>| c.map_or("NULL".to_owned(), ident);
+        let is_set =
+            |c: Option<&str>| c.map_or("0".to_owned(), |c| format!("{} IS NOT NULL", ident(c)));
+        let dead_col = match table.dead_letter() {
+            Some(DeadLetter::Column(c)) => Some(c.as_str()),
+            _ => None,
+        };
+        let sql = format!(
+            "SELECT {}, {}, {}, {}, {} FROM {} WHERE {} = ?1",
+            ident(table.attempt()),
+            time(table.locked_until()),
+            time(table.due_at()),
+            is_set(table.processed_at()),
+            is_set(dead_col),
+            ident(table.name()),
+            ident(table.id()),
+        );
+        let err = |e| SqlxBrokerError::statement(table.name(), "row state", e);
+        let row: Option<StateRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        if let Some((attempt, lu, due, processed, dead)) = row {
+            return Ok(Some(RowState::new(attempt, lu, due, processed, dead)));
+        }
+        if let Some(DeadLetter::Table(d)) = table.dead_letter() {
+            let sql = format!(
+                "SELECT {} FROM {} WHERE {} = ?1",
+                ident(table.attempt()),
+                ident(d),
+                ident(table.id())
+            );
+            let attempt: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?;
+            return Ok(attempt.map(|a| RowState::new(a, None, None, false, true)));
+        }
+        Ok(None)
+    }
+
+    fn ddl(&self, table: &TableDescription) -> Vec<String> {
+        schema::ddl(table)
+    }
+
+    fn drop_ddl(&self, table: &TableDescription) -> Vec<String> {
+        schema::drop_ddl(table)
+    }
+
+    async fn execute_ddl(&self, statements: &[String]) -> Result<()> {
+        let mut conn = acquire(&self.pool, "").await?;
+        for sql in statements {
+            conn.execute(sqlx::AssertSqlSafe(sql.clone()))
+                .await
+                .map_err(|e| SqlxBrokerError::statement("", "ddl", e))?;
+        }
+        Ok(())
+    }
+
+    async fn listen(
+        &self,
+        _table: &Arc<TableDescription>,
+        _wake: Arc<tokio::sync::Notify>,
+    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+        // One process per file is the design; wake-ups within it come from publish.
+        Ok(None)
+    }
+}

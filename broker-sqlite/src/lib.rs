@@ -1,0 +1,60 @@
+//! The SQLite backend of sqlx-broker: a task queue in the application's own SQLite file.
+//!
+//! SQLite has no row locks, so it offers **lease** mode (a `locked_until` column) and
+//! **advisory** mode (an `advisory_lock` template, with keys held in this process). A table with
+//! neither is refused with [`SqlxBrokerError::ModeNotOffered`](broker_core::SqlxBrokerError).
+//!
+//! | mode | claim | what gives a row back when the process dies |
+//! |---|---|---|
+//! | lease | one `UPDATE .. RETURNING` writes the expiry and counts the attempt | the lease runs out |
+//! | advisory | select due rows with their keys, take each key in the process's key table, then `UPDATE .. RETURNING` the row if still claimable | nothing is held outside the process |
+//!
+//! ```no_run
+//! use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
+//! use broker_sqlite::SqliteBackend;
+//!
+//! # async fn run() -> broker_core::Result<()> {
+//! let broker = SqliteBackend::connect("sqlite:jobs.db").await?;
+//! let table = TableDescription::builder("jobs")
+//!     .payload("payload", ColumnType::Text)
+//!     .locked_until("locked_until")
+//!     .build()?;
+//! broker.create_tables(&table).await?;
+//! let queue = broker.queue::<Payload<String>>(table).await?;
+//! queue.publish(NewJob::new("hello".to_owned())).await?;
+//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), |job| {
+//!     Box::pin(async move {
+//!         println!("{}", job.payload().0);
+//!         Ok(Outcome::Ack)
+//!     })
+//! });
+//! sub.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! # Things to know
+//! - **Times** are INTEGER unix milliseconds (the DDL helper creates them so).
+//! - **One writer at a time** is SQLite's design: connections use WAL and a 30 s busy timeout,
+//!   and multi-statement writes start with `BEGIN IMMEDIATE`, so workers wait for the writer
+//!   instead of failing with "database is locked".
+//! - **Advisory keys live in this process**, in one key table per database file (by canonical
+//!   path; an in-memory database by its name). Two processes on one file do not see each other's
+//!   keys, so a row can then be delivered twice: run one process per file in advisory mode, or
+//!   use lease mode.
+//! - **FIFO** needs no guard lock: with one writer, reading a group's head and taking it never
+//!   interleave with another claim.
+//! - The lease claim's `RETURNING` hands rows back in no particular order.
+
+mod advisory;
+mod backend;
+mod fifo;
+mod keys;
+mod lease;
+mod schema;
+mod sql;
+mod version;
+
+pub use advisory::SqliteAdvisory;
+pub use backend::{SqliteBackend, SqliteBroker};
+pub use keys::KeyLock;
+pub use lease::SqliteLease;

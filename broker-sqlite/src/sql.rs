@@ -1,0 +1,237 @@
+//! Quoting and the statement fragments every SQLite strategy shares. Values are always bound,
+//! never pasted: only identifiers (quoted) and the broker's own fragments reach the SQL text.
+
+use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
+use sqlx::SqlitePool;
+
+use crate::fifo;
+
+/// Quotes an identifier in backticks, a backtick inside doubled. Not in double quotes: SQLite
+/// reads a double-quoted name that matches no column as a string literal, so a misspelt column
+/// would pass every check and compare against its own name.
+pub(crate) fn ident(name: &str) -> String {
+    format!("`{}`", name.replace('`', "``"))
+}
+
+/// The statements of one table, built once at subscribe time.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) table: String,
+    pub(crate) id: String,
+    pub(crate) attempt: String,
+    /// `WHERE` conditions of a claimable row; `?1` is the host's now (unix ms).
+    pub(crate) claimable: String,
+    /// `ORDER BY` of a claim.
+    pub(crate) order: String,
+    /// What a claim returns: the whole row plus the broker's aliases. `attempt_expr` is the
+    /// attempt before the claim.
+    returning_tail: String,
+}
+
+impl Statements {
+    pub(crate) fn new(t: &TableDescription) -> Self {
+        let table = ident(t.name());
+        let id = ident(t.id());
+        let attempt = ident(t.attempt());
+        let mut claimable = Vec::new();
+        if let Some(c) = t.processed_at() {
+            claimable.push(format!("{} IS NULL", ident(c)));
+        }
+        if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+            claimable.push(format!("{} IS NULL", ident(c)));
+        }
+        if let Some(c) = t.due_at() {
+            let c = ident(c);
+            claimable.push(format!("({c} IS NULL OR {c} <= ?1)"));
+        }
+        if let Some(c) = t.locked_until() {
+            let c = ident(c);
+            claimable.push(format!("({c} IS NULL OR {c} <= ?1)"));
+        }
+        if let Some(head) = fifo::head_condition(t) {
+            claimable.push(head);
+        }
+        if claimable.is_empty() {
+            claimable.push("1 = 1".into());
+        }
+        let order = match t.priority() {
+            Some(p) => format!("{} DESC, {id}", ident(p)),
+            None => id.clone(),
+        };
+        let mut returning_tail = format!(", {id} AS {}", alias::ID);
+        if let Some((p, _)) = t.payload() {
+            returning_tail.push_str(&format!(", {} AS {}", ident(p), alias::PAYLOAD));
+        }
+        Self {
+            table,
+            id,
+            attempt,
+            claimable: claimable.join(" AND "),
+            order,
+            returning_tail,
+        }
+    }
+
+    /// `RETURNING` clause of a statement that has just counted the attempt.
+    pub(crate) fn returning_counted(&self) -> String {
+        format!(
+            "RETURNING *{}, {} - 1 AS {}",
+            self.returning_tail,
+            self.attempt,
+            alias::ATTEMPT
+        )
+    }
+
+    /// The statements of a settlement. `fence` holds the extra conditions that must still hold
+    /// (lease: the token); parameters: `?1` id, `?2` now or due, then the fence's own from `?3`.
+    pub(crate) fn settle(&self, t: &TableDescription, fence: &str) -> SettleStatements {
+        let (table, id) = (&self.table, &self.id);
+        let clear_lease = t
+            .locked_until()
+            .map(|c| format!(", {} = NULL", ident(c)))
+            .unwrap_or_default();
+        let ack = match t.processed_at() {
+            Some(c) => format!(
+                "UPDATE {table} SET {} = ?2{clear_lease} WHERE {id} = ?1{fence}",
+                ident(c)
+            ),
+            None => format!("DELETE FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}"),
+        };
+        let retry = match t.due_at() {
+            Some(c) => format!(
+                "UPDATE {table} SET {} = ?2{clear_lease} WHERE {id} = ?1{fence}",
+                ident(c)
+            ),
+            None => format!(
+                "UPDATE {table} SET {id} = {id}{clear_lease} WHERE {id} = ?1 AND ?2 IS NULL{fence}"
+            ),
+        };
+        let dead = match t.dead_letter() {
+            Some(DeadLetter::Column(c)) => DeadStatements::Mark(format!(
+                "UPDATE {table} SET {} = ?2{clear_lease} WHERE {id} = ?1{fence}",
+                ident(c)
+            )),
+            Some(DeadLetter::Table(d)) => DeadStatements::Move {
+                copy: format!(
+                    "INSERT INTO {} SELECT * FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}",
+                    ident(d)
+                ),
+                delete: format!("DELETE FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}"),
+            },
+            None => DeadStatements::None,
+        };
+        SettleStatements { ack, retry, dead }
+    }
+}
+
+/// Settlement statements of one mode.
+#[derive(Debug, Clone)]
+pub(crate) struct SettleStatements {
+    pub(crate) ack: String,
+    /// `?2` is the due time (NULL: due at once).
+    pub(crate) retry: String,
+    pub(crate) dead: DeadStatements,
+}
+
+/// How a row is dead-lettered.
+#[derive(Debug, Clone)]
+pub(crate) enum DeadStatements {
+    /// No target: dead letters are refused before they reach the backend.
+    None,
+    /// Set the dead-letter column.
+    Mark(String),
+    /// Copy to the dead-letter table, then delete, in one write transaction.
+    Move { copy: String, delete: String },
+}
+
+impl SettleStatements {
+    /// Runs a settlement; with a lease `fence` the statements must match its token. Returns the
+    /// rows changed (0: the fence no longer holds, and nothing changed).
+    pub(crate) async fn run(
+        &self,
+        pool: &SqlitePool,
+        table: &str,
+        settle: Settle,
+        fence: Option<LeaseToken>,
+    ) -> Result<u64> {
+        let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
+        // Parameters: ?1 id, ?2 the time the statement writes, then the fence's ?3 and ?4.
+        let bind = |sql: &str, value: Option<i64>| {
+            let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .bind(settle.id)
+                .bind(value);
+            match fence {
+                Some(token) => q.bind(token.expires_ms).bind(token.attempt),
+                None => q,
+            }
+        };
+        let done = match settle.action {
+            Action::Ack => bind(&self.ack, Some(settle.now_ms))
+                .execute(pool)
+                .await
+                .map_err(err("ack"))?,
+            Action::Retry { due_ms } => bind(&self.retry, due_ms)
+                .execute(pool)
+                .await
+                .map_err(err("retry"))?,
+            Action::DeadLetter => match &self.dead {
+                DeadStatements::Mark(sql) => bind(sql, Some(settle.now_ms))
+                    .execute(pool)
+                    .await
+                    .map_err(err("dead letter"))?,
+                DeadStatements::Move { copy, delete } => {
+                    // BEGIN IMMEDIATE takes the write lock up front, so the copy never meets
+                    // another writer half way ("database is locked").
+                    let mut tx = pool
+                        .begin_with("BEGIN IMMEDIATE")
+                        .await
+                        .map_err(err("dead letter"))?;
+                    bind(copy, Some(settle.now_ms))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(err("dead letter copy"))?;
+                    let done = bind(delete, Some(settle.now_ms))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(err("dead letter delete"))?;
+                    if done.rows_affected() != 1 {
+                        // The fence no longer holds: the copy must not stay either.
+                        return Ok(0);
+                    }
+                    tx.commit().await.map_err(err("dead letter commit"))?;
+                    done
+                }
+                DeadStatements::None => {
+                    unreachable!("dead letters without a target are refused before settlement")
+                }
+            },
+        };
+        Ok(done.rows_affected())
+    }
+
+    /// The statements with their names, for the startup check.
+    pub(crate) fn named(&self) -> Vec<(&'static str, &str)> {
+        let mut out = vec![("ack", self.ack.as_str()), ("retry", self.retry.as_str())];
+        match &self.dead {
+            DeadStatements::Mark(s) => out.push(("dead letter", s.as_str())),
+            DeadStatements::Move { copy, delete } => {
+                out.push(("dead letter copy", copy.as_str()));
+                out.push(("dead letter delete", delete.as_str()));
+            }
+            DeadStatements::None => {}
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_quoted_with_inner_quotes_doubled() {
+        assert_eq!(ident("my `odd` table"), "`my ``odd`` table`");
+        assert_eq!(ident("order"), "`order`");
+    }
+}

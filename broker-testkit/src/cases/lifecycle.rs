@@ -1,0 +1,181 @@
+//! Shutdown, close, publish inside a transaction, wake-ups.
+
+use std::time::{Duration, Instant};
+
+use broker_core::{ClaimMode, Outcome, SqlxBrokerError, SubscribeOptions};
+
+use super::claim_one;
+use crate::{Fixture, TestDb, wait_until};
+
+/// Graceful shutdown lets handlers in work finish and settle, and leaves no row claimed and no
+/// key held: another broker can claim every remaining row at once.
+pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: ClaimMode) {
+    let Some(mut fx) = Fixture::<D>::new(mode, |b| b).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let ids = fx.publish(&q, 6).await;
+    let sub = q.subscribe(SubscribeOptions::new().concurrency(3), |_job| {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(Outcome::Ack)
+        })
+    });
+    wait_until("three handlers in work", Duration::from_secs(10), || {
+        let q = q.clone();
+        async move { q.metrics().in_work == 3 }
+    })
+    .await;
+    let report = sub.shutdown().await;
+    assert_eq!(report.dropped, 0);
+    assert!(report.finished >= 3, "{report:?}");
+    let acked = q.metrics().acked;
+    assert_eq!(
+        acked, report.finished as u64,
+        "every finished handler settled"
+    );
+    assert_eq!(q.metrics().in_work, 0);
+    for i in 0..6 {
+        assert!(
+            !D::key_is_held(&fx.broker, &format!("key-k{i}")).await,
+            "key-k{i}"
+        );
+    }
+    let mut left = 0;
+    for id in &ids {
+        if let Some(state) = q.row_state(*id).await.unwrap() {
+            left += 1;
+            assert_eq!(state.locked_until_ms, None, "row {id} is not leased");
+        }
+    }
+    assert_eq!(left as u64, 6 - acked);
+    let rest = other.claim(6).await.unwrap();
+    assert_eq!(rest.len(), left, "the remaining rows are claimable at once");
+    for d in rest {
+        d.ack().await.unwrap();
+    }
+    fx.cleanup().await;
+}
+
+/// Handlers still running at the shutdown deadline are dropped and their rows released at once
+/// (row lock: rolled back, attempt unused; lease: released; advisory: unlocked).
+pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode: ClaimMode) {
+    let Some(mut fx) = Fixture::<D>::new(mode, |b| b).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    fx.publish(&q, 2).await;
+    let sub = q.subscribe(
+        SubscribeOptions::new()
+            .concurrency(2)
+            .shutdown_timeout(Duration::from_millis(300)),
+        |_job| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_secs(120)).await;
+                Ok(Outcome::Ack)
+            })
+        },
+    );
+    wait_until("two handlers in work", Duration::from_secs(10), || {
+        let q = q.clone();
+        async move { q.metrics().in_work == 2 }
+    })
+    .await;
+    let start = Instant::now();
+    let report = sub.shutdown().await;
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(report.dropped, 2, "{report:?}");
+    for i in 0..2 {
+        assert!(!D::key_is_held(&fx.broker, &format!("key-k{i}")).await);
+    }
+    let mut rest = Vec::new();
+    let start = Instant::now();
+    while rest.len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "both rows claimable again"
+        );
+        rest.extend(other.claim(2).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let expected = if mode == ClaimMode::RowLock { 1 } else { 2 };
+    for d in rest {
+        assert_eq!(d.attempt(), expected);
+        d.ack().await.unwrap();
+    }
+    fx.cleanup().await;
+}
+
+/// A publish inside the caller's transaction commits with it or not at all.
+pub async fn a_publish_in_a_rolled_back_transaction_leaves_no_row<D: TestDb>() {
+    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    let mut tx = fx.broker.pool().begin().await.unwrap();
+    let gone = q.publish_in(&mut *tx, &[fx.job(0)]).await.unwrap()[0];
+    tx.rollback().await.unwrap();
+    assert!(q.row_state(gone).await.unwrap().is_none());
+    let mut tx = fx.broker.pool().begin().await.unwrap();
+    let kept = q.publish_in(&mut *tx, &[fx.job(1)]).await.unwrap()[0];
+    tx.commit().await.unwrap();
+    assert!(q.row_state(kept).await.unwrap().is_some());
+    let d = claim_one::<D>(&q).await;
+    assert_eq!(d.id(), kept);
+    d.ack().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// After the broker closes, claims and settlements are refused with `Closed`, naming the table.
+pub async fn a_settlement_after_close_is_refused<D: TestDb>() {
+    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    fx.publish(&q, 1).await;
+    let d = claim_one::<D>(&q).await;
+    fx.broker.close().await;
+    let err = d.ack().await.unwrap_err();
+    assert!(matches!(err, SqlxBrokerError::Closed { .. }), "{err:?}");
+    assert!(err.to_string().contains(fx.table.name()), "{err}");
+    let err = q.claim(1).await.unwrap_err();
+    assert!(matches!(err, SqlxBrokerError::Closed { .. }), "{err:?}");
+    let other = D::connect(&fx.url).await;
+    other.drop_tables(&fx.table).await.unwrap();
+    other.close().await;
+    D::drop_database(&fx.url).await;
+}
+
+/// A publish through the broker wakes an idle subscription of the table in the same process,
+/// long before its poll.
+pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
+    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    let sub = q.subscribe(
+        SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+        |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let start = Instant::now();
+    fx.publish(&q, 1).await;
+    wait_until(
+        "the woken subscription's ack",
+        Duration::from_secs(10),
+        || {
+            let q = q.clone();
+            async move { q.metrics().acked == 1 }
+        },
+    )
+    .await;
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "woken after {:?}",
+        start.elapsed()
+    );
+    sub.shutdown().await;
+    fx.cleanup().await;
+}

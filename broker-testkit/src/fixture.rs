@@ -1,0 +1,238 @@
+//! What every case stands on: the backend's test database, a table of the case's own, and
+//! bounded waits.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use broker_core::strategy::alias;
+use broker_core::{
+    Backend, Broker, ClaimMode, ColumnType, NewJob, Queue, SqlxBrokerError, TableBuilder,
+    TableDescription,
+};
+use sqlx::{ColumnIndex, Database, Decode, Encode, FromRow, Row, Type};
+
+/// A payload that [`Job`] refuses to decode, standing in for any row that does not decode.
+pub const UNDECODABLE: &str = "undecodable payload";
+
+/// The rows cases work with: the payload column as text. Backends set [`TestDb::Job`] to it.
+/// A NULL payload or [`UNDECODABLE`] does not decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job(pub String);
+
+impl<'r, R> FromRow<'r, R> for Job
+where
+    R: Row,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    &'static str: ColumnIndex<R>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        match row.try_get::<Option<String>, _>(alias::PAYLOAD)? {
+            Some(text) if text != UNDECODABLE => Ok(Job(text)),
+            other => Err(sqlx::Error::Decode(
+                format!("the test payload {other:?} does not decode").into(),
+            )),
+        }
+    }
+}
+
+/// The database of a test backend.
+pub type DbOf<D> = <<D as TestDb>::B as Backend>::Db;
+
+/// What cases read of a row: its text payload.
+pub trait JobText {
+    /// The payload.
+    fn text(&self) -> &str;
+}
+
+impl JobText for Job {
+    fn text(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A backend's test database, as its `tests/` provides it.
+///
+/// The associated types carry the bounds the generic cases need (as associated-type bounds they
+/// hold wherever `D: TestDb` does); every backend sets them to [`Job`] and `String`.
+pub trait TestDb: Send + Sync + 'static {
+    /// The backend under test.
+    type B: Backend;
+    /// The row type: [`Job`].
+    type Job: for<'r> FromRow<'r, <DbOf<Self> as Database>::Row> + JobText + Send + 'static;
+    /// Text to publish: `String`.
+    type Text: for<'q> Encode<'q, DbOf<Self>>
+        + Type<DbOf<Self>>
+        + From<String>
+        + Send
+        + Sync
+        + 'static;
+
+    /// The database URL for one test: a fresh database where that is cheap (a SQLite file),
+    /// else the shared test database (cases use tables of their own).
+    fn database() -> impl Future<Output = String> + Send;
+
+    /// A new broker (with a pool of its own) on `url`.
+    fn connect(url: &str) -> impl Future<Output = Broker<Self::B>> + Send;
+
+    /// Whether any session (any broker, any process where the backend can tell) holds the
+    /// advisory key `key` now.
+    fn key_is_held(broker: &Broker<Self::B>, key: &str) -> impl Future<Output = bool> + Send;
+
+    /// Removes what [`database`](Self::database) made, if anything.
+    fn drop_database(url: &str) -> impl Future<Output = ()> + Send {
+        let _ = url;
+        async {}
+    }
+}
+
+/// A name no other test uses, for tables (lowercase letters, digits, underscores).
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("sb_{prefix}_{}_{n}_{nanos:x}", std::process::id())
+}
+
+/// The description cases start from: a text payload, a due-time column, and what `mode` needs
+/// (lease: `locked_until` with a 30 s lease; advisory: a text column `k` and the template
+/// `"key-{k}"`).
+pub fn describe(name: &str, mode: ClaimMode) -> TableBuilder {
+    let b = TableDescription::builder(name)
+        .payload("payload", ColumnType::Text)
+        .due_at("due_at");
+    match mode {
+        ClaimMode::RowLock => b,
+        ClaimMode::Lease => b.locked_until("locked_until"),
+        ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("key-{k}"),
+    }
+}
+
+/// Waits until `check` holds, polling every 20 ms; panics naming `what` after `limit`.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "gave up after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One case's database, broker and table.
+pub struct Fixture<D: TestDb> {
+    /// The database URL.
+    pub url: String,
+    /// The case's first broker.
+    pub broker: Broker<D::B>,
+    /// The case's table.
+    pub table: TableDescription,
+    others: Vec<Broker<D::B>>,
+}
+
+impl<D: TestDb> Fixture<D> {
+    /// Creates the table `describe`d for `mode` (after `tweak`) and returns the fixture, or
+    /// `None` when the backend does not offer `mode`, after checking that the queue is refused
+    /// with [`SqlxBrokerError::ModeNotOffered`].
+    pub async fn new(
+        mode: ClaimMode,
+        tweak: impl FnOnce(TableBuilder) -> TableBuilder,
+    ) -> Option<Self> {
+        let url = D::database().await;
+        let broker = D::connect(&url).await;
+        let name = unique_name(match mode {
+            ClaimMode::RowLock => "rl",
+            ClaimMode::Lease => "ls",
+            ClaimMode::Advisory => "ad",
+        });
+        let table = tweak(describe(&name, mode))
+            .build()
+            .expect("the case's description is valid");
+        broker
+            .create_tables(&table)
+            .await
+            .expect("create the case's table");
+        let fx = Self {
+            url,
+            broker,
+            table,
+            others: Vec::new(),
+        };
+        if !fx.broker.backend().capabilities().offers(mode) {
+            let err = fx
+                .broker
+                .queue::<D::Job>(fx.table.clone())
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, SqlxBrokerError::ModeNotOffered { .. }),
+                "an unoffered mode must be refused as such, got: {err}"
+            );
+            let msg = err.to_string();
+            assert!(
+                msg.contains("locked_until") && msg.contains("advisory_lock"),
+                "{msg}"
+            );
+            fx.cleanup().await;
+            return None;
+        }
+        Some(fx)
+    }
+
+    /// The case's queue on its first broker.
+    pub async fn queue(&self) -> Queue<D::B, D::Job> {
+        self.broker
+            .queue::<D::Job>(self.table.clone())
+            .await
+            .expect("prepare the case's queue")
+    }
+
+    /// Another broker (its own pool) on the same database, and its queue of the case's table.
+    pub async fn other_queue(&mut self) -> Queue<D::B, D::Job> {
+        let broker = D::connect(&self.url).await;
+        let queue = broker
+            .queue::<D::Job>(self.table.clone())
+            .await
+            .expect("prepare the case's queue on another broker");
+        self.others.push(broker);
+        queue
+    }
+
+    /// The job a case publishes as number `i`: payload `"job-{i}"`, and in advisory mode its own
+    /// key `k = "k{i}"`.
+    pub fn job(&self, i: usize) -> NewJob<D::Text> {
+        let job = NewJob::new(D::Text::from(format!("job-{i}")));
+        if self.table.mode() == ClaimMode::Advisory {
+            job.column("k", format!("k{i}"))
+        } else {
+            job
+        }
+    }
+
+    /// Publishes `n` jobs ([`job`](Self::job) 0..n) in one batch; returns their ids in order.
+    pub async fn publish(&self, queue: &Queue<D::B, D::Job>, n: usize) -> Vec<i64> {
+        let jobs: Vec<_> = (0..n).map(|i| self.job(i)).collect();
+        queue.publish_batch(&jobs).await.expect("publish")
+    }
+
+    /// Drops the case's tables, closes its brokers and removes its database if it made one.
+    pub async fn cleanup(self) {
+        for b in &self.others {
+            b.close().await;
+        }
+        let _ = self.broker.drop_tables(&self.table).await;
+        self.broker.close().await;
+        D::drop_database(&self.url).await;
+    }
+}

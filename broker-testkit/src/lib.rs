@@ -1,0 +1,106 @@
+//! The conformance suite of sqlx-broker, written once: every backend crate runs it from its own
+//! `tests/` against a live database.
+//!
+//! Cases are ordinary generic async functions in [`cases`]; [`conformance_suite!`] stamps out one
+//! `#[tokio::test]` per case (and per claim mode, where a case is about a mode), so each case has
+//! its own name, can be filtered (`cargo test lease_`), and fails on its own. What a backend can
+//! do comes from its [`Capabilities`](broker_core::Capabilities), never from the database's name.
+//!
+//! ```ignore
+//! // broker-sqlite/tests/conformance.rs
+//! struct Db;
+//! impl broker_testkit::TestDb for Db { /* connect, fresh database, key probe */ }
+//! broker_testkit::conformance_suite!(Db);
+//! ```
+
+pub mod cases;
+pub(crate) mod fixture;
+
+pub use fixture::{
+    DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, describe, unique_name, wait_until,
+};
+
+/// Stamps one `#[tokio::test]` per conformance case for the [`TestDb`] type `$db`.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($db:ty) => {
+        $crate::conformance_suite!(@plain $db;
+            modes_follow_the_description,
+            every_description_error_is_refused_with_a_clear_message,
+            a_missing_table_is_a_schema_error_naming_it,
+            a_missing_column_is_a_schema_error_naming_it,
+            an_unoffered_mode_is_refused_with_what_to_add,
+            renewal_keeps_a_handler_that_runs_three_leases,
+            a_stale_lease_holder_cannot_settle,
+            rows_with_one_key_never_overlap_while_other_keys_run,
+            a_publish_in_a_rolled_back_transaction_leaves_no_row,
+            a_settlement_after_close_is_refused,
+            a_publish_wakes_an_idle_subscription,
+            row_lock_handler_writes_commit_with_the_ack_only,
+        );
+        $crate::conformance_suite!(@modes $db;
+            first_delivery_reads_attempt_one,
+            attempts_count_across_retries,
+            a_dropped_delivery_counts_as_its_mode_says,
+            ack_deletes_the_row,
+            ack_marks_processed_at,
+            retry_after_hides_the_row_until_due,
+            scheduled_rows_are_not_claimed_early,
+            exhausted_rows_move_to_the_dead_letter_table,
+            exhausted_rows_get_the_dead_letter_mark,
+            two_subscriptions_never_hold_one_row,
+            fifo_groups_run_in_order_one_at_a_time,
+            higher_priority_runs_first,
+            shutdown_leaves_no_row_claimed_and_no_key_held,
+            shutdown_deadline_drops_handlers_and_releases_rows,
+            a_handler_panic_is_a_retry,
+            a_handler_error_is_a_retry,
+            a_row_that_does_not_decode_is_retried_not_lost,
+        );
+    };
+    (@plain $db:ty; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                $crate::cases::$case::<$db>().await;
+            }
+        )*
+    };
+    (@modes $db:ty; $($case:ident),* $(,)?) => {
+        mod row_lock {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::RowLock).await;
+                }
+            )*
+        }
+        mod lease {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::Lease).await;
+                }
+            )*
+        }
+        mod advisory {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::Advisory).await;
+                }
+            )*
+        }
+    };
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use broker_core::ClaimMode;
+}
