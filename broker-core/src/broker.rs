@@ -350,14 +350,9 @@ where
     /// Runs `handler` on every due row, with `options.concurrency` deliveries in work at once;
     /// see [`Subscription`].
     ///
-    /// ```ignore
-    /// let sub = queue.subscribe(SubscribeOptions::new().concurrency(8), |job| {
-    ///     Box::pin(async move {
-    ///         println!("{}", job.payload().0);
-    ///         Ok(Outcome::Ack)
-    ///     })
-    /// });
-    /// ```
+    /// The handler gets `&mut Delivery` and returns a boxed future of its [`Outcome`](crate::Outcome):
+    /// `|job| Box::pin(async move { .. Ok(Outcome::Ack) })`. A runnable example is in the README
+    /// and in `broker-sqlite`'s crate docs.
     pub fn subscribe<F>(&self, options: SubscribeOptions, handler: F) -> Subscription
     where
         F: for<'a> Fn(&'a mut Delivery<B, T>) -> crate::BoxFuture<'a, crate::HandlerResult>

@@ -6,9 +6,8 @@ use crate::strategy::alias;
 
 /// A row read as its payload column alone (the table description names the column).
 ///
-/// ```ignore
-/// let queue = broker.queue::<Payload<String>>(table).await?;
-/// ```
+/// Use it as the queue's row type: `broker.queue::<Payload<String>>(table)`; the handler reads
+/// `job.payload().0`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Payload<P>(pub P);
 

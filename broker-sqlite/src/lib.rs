@@ -58,3 +58,8 @@ pub use advisory::SqliteAdvisory;
 pub use backend::{SqliteBackend, SqliteBroker};
 pub use keys::KeyLock;
 pub use lease::SqliteLease;
+
+/// The README's examples, compiled as doctests so they stay true.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -6,7 +6,7 @@
 //! its own name, can be filtered (`cargo test lease_`), and fails on its own. What a backend can
 //! do comes from its [`Capabilities`](broker_core::Capabilities), never from the database's name.
 //!
-//! ```ignore
+//! ```text
 //! // broker-sqlite/tests/conformance.rs
 //! struct Db;
 //! impl broker_testkit::TestDb for Db { /* connect, fresh database, key probe */ }
