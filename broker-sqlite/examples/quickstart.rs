@@ -54,7 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if n % 50 == 7 {
                     return Err(format!("mail #{n}: the mail server refuses it").into());
                 }
-                if n % 10 == 0 && job.attempt() == 1 {
+                if n.is_multiple_of(10) && job.attempt() == 1 {
                     return Ok(Outcome::RetryAfter(Duration::from_millis(100)));
                 }
                 Ok(Outcome::Ack)
