@@ -478,6 +478,15 @@ impl<B: Backend> QueueInner<B> {
         }
     }
 
+    /// The attempt column's value a delivery holds, from the attempt it reports (as before its
+    /// claim): row lock counts at settlement, the other modes counted it at the claim.
+    pub(crate) fn held_attempt(&self, reported: i64) -> i64 {
+        match self.table.mode() {
+            ClaimMode::RowLock => reported,
+            ClaimMode::Lease | ClaimMode::Advisory => reported + 1,
+        }
+    }
+
     /// The action for a failed delivery: a retry, or a dead letter when its attempts are spent.
     pub(crate) fn retry_or_dead(&self, attempt: i64, due_ms: Option<i64>) -> Action {
         match self.table.max_attempts() {

@@ -202,6 +202,7 @@ where
                     id,
                     action: Action::DeadLetter,
                     now_ms,
+                    attempt: queue.held_attempt(attempt),
                 };
                 match queue.settle_hold(hold, settle).await {
                     Ok(()) => Metrics::add(&queue.metrics.dead_lettered, 1),
@@ -220,7 +221,12 @@ where
                 };
                 tracing::error!(table = queue.name(), id, attempt, error = %error, "claimed row does not decode");
                 let action = queue.retry_or_dead(attempt, None);
-                let settle = Settle { id, action, now_ms };
+                let settle = Settle {
+                    id,
+                    action,
+                    now_ms,
+                    attempt: queue.held_attempt(attempt),
+                };
                 match queue.settle_hold(hold, settle).await {
                     Ok(()) if action == Action::DeadLetter => {
                         Metrics::add(&queue.metrics.dead_lettered, 1);
@@ -387,6 +393,7 @@ impl<B: Backend, T> Delivery<B, T> {
             id: self.id,
             action,
             now_ms,
+            attempt: queue.held_attempt(self.attempt),
         };
         queue.settle_hold(hold, settle).await?;
         let m = &queue.metrics;
@@ -464,6 +471,7 @@ impl<B: Backend, T> Drop for Delivery<B, T> {
                             id,
                             action: Action::Retry { due_ms: None },
                             now_ms: clock::now_ms(),
+                            attempt: cell.token().attempt,
                         };
                         if let Err(e) = s.settle(cell.token(), settle).await {
                             tracing::warn!(table = queue.name(), id, error = %e, "release of a dropped lease failed; it runs out instead");

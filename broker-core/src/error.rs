@@ -35,6 +35,18 @@ pub enum SqlxBrokerError {
         id: i64,
     },
 
+    /// The delivery's claim ended before its settlement (its key lock or connection went away) and
+    /// the row was claimed again; the settlement changed nothing.
+    #[error(
+        "table \"{table}\": the claim on row {id} ended before this settlement (its key lock or connection went away) and the row was claimed again; this settlement changed nothing"
+    )]
+    ClaimLost {
+        /// The table.
+        table: String,
+        /// The row id.
+        id: i64,
+    },
+
     /// The database does not offer the claim mode the table description selects.
     #[error("table \"{table}\": {database} does not offer {mode} mode; {hint}")]
     ModeNotOffered {

@@ -101,6 +101,10 @@ pub struct Settle {
     pub action: Action,
     /// The host's clock, unix milliseconds (written into `processed_at` and the like).
     pub now_ms: i64,
+    /// The attempt column's value this delivery holds: as read (row lock), or after its claim
+    /// counted it (lease, advisory). Every claim changes it, so a backend can fence a settlement
+    /// on it: a stale settlement that lands after the row was claimed again changes nothing.
+    pub attempt: i64,
 }
 
 /// The token a lease claim hands out: a settlement or renewal takes effect only while the row

@@ -8,7 +8,7 @@ use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::keys::{KeyLock, KeyTable};
-use crate::sql::{SettleStatements, Statements, ident};
+use crate::sql::{Fence, SettleStatements, Statements, ident};
 
 /// The advisory strategy of one SQLite table.
 #[derive(Debug)]
@@ -50,7 +50,7 @@ impl SqliteAdvisory {
             claimable = s.claimable,
             ret = s.returning_counted(),
         );
-        let settle = s.settle(&table, "");
+        let settle = s.settle(&table, &format!(" AND {} = ?3", s.attempt));
         Self {
             pool,
             table,
@@ -123,11 +123,23 @@ impl AdvisoryStrategy for SqliteAdvisory {
     }
 
     async fn settle(&self, _lock: &mut KeyLock, settle: Settle) -> Result<()> {
-        // The key lock makes this delivery the row's only holder, so no fence is needed.
-        self.settle
-            .run(&self.pool, self.table.name(), settle, None)
+        let changed = self
+            .settle
+            .run(
+                &self.pool,
+                self.table.name(),
+                settle,
+                Fence::Attempt(settle.attempt),
+            )
             .await?;
-        Ok(())
+        if changed == 1 {
+            Ok(())
+        } else {
+            Err(SqlxBrokerError::ClaimLost {
+                table: self.table.name().to_owned(),
+                id: settle.id,
+            })
+        }
     }
 
     async fn unlock(&self, lock: KeyLock) -> Result<()> {

@@ -7,7 +7,7 @@ use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Sqlite, SqlitePool};
 
-use crate::sql::{SettleStatements, Statements, ident};
+use crate::sql::{Fence, SettleStatements, Statements, ident};
 
 /// The lease strategy of one SQLite table.
 #[derive(Debug)]
@@ -101,7 +101,7 @@ impl LeaseStrategy for SqliteLease {
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         let changed = self
             .settle
-            .run(&self.pool, self.table.name(), settle, Some(token))
+            .run(&self.pool, self.table.name(), settle, Fence::Lease(token))
             .await?;
         Ok(changed == 1)
     }

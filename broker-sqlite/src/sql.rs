@@ -2,6 +2,17 @@
 //! never pasted: only identifiers (quoted) and the broker's own fragments reach the SQL text.
 
 use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+
+/// What a settlement must still find in the row for it to take effect.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Fence {
+    /// Lease: the token (`?3` expiry, `?4` attempt).
+    Lease(LeaseToken),
+    /// Advisory: the attempt the take wrote (`?3`). The key lock already keeps other claims
+    /// out; this keeps out a settlement still on its way from a delivery whose key was released
+    /// without it (a dropped future's statement can still land after the drop).
+    Attempt(i64),
+}
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::SqlitePool;
 
@@ -153,17 +164,17 @@ impl SettleStatements {
         pool: &SqlitePool,
         table: &str,
         settle: Settle,
-        fence: Option<LeaseToken>,
+        fence: Fence,
     ) -> Result<u64> {
         let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
-        // Parameters: ?1 id, ?2 the time the statement writes, then the fence's ?3 and ?4.
+        // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
         let bind = |sql: &str, value: Option<i64>| {
             let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
                 .bind(settle.id)
                 .bind(value);
             match fence {
-                Some(token) => q.bind(token.expires_ms).bind(token.attempt),
-                None => q,
+                Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
+                Fence::Attempt(attempt) => q.bind(attempt),
             }
         };
         let done = match settle.action {

@@ -79,6 +79,21 @@ pub trait TestDb: Send + Sync + 'static {
     /// advisory key `key` now.
     fn key_is_held(broker: &Broker<Self::B>, key: &str) -> impl Future<Output = bool> + Send;
 
+    /// Terminates every database connection of `broker`'s pool from another session
+    /// (PostgreSQL `pg_terminate_backend`, MariaDB `KILL`); returns how many, or `None` where the
+    /// database has no server connections to kill (SQLite).
+    fn kill_connections(broker: &Broker<Self::B>) -> impl Future<Output = Option<usize>> + Send {
+        let _ = broker;
+        async { None }
+    }
+
+    /// What `broker` leaves behind that it should not: advisory keys held, transactions open,
+    /// connections of its pool in use. Empty when nothing leaks.
+    fn leaks(broker: &Broker<Self::B>) -> impl Future<Output = Vec<String>> + Send {
+        let _ = broker;
+        async { Vec::new() }
+    }
+
     /// Removes what [`database`](Self::database) made, if anything.
     fn drop_database(url: &str) -> impl Future<Output = ()> + Send {
         let _ = url;

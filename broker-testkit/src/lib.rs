@@ -15,6 +15,7 @@
 
 pub mod cases;
 pub(crate) mod fixture;
+pub mod history;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, describe, unique_name, wait_until,
@@ -37,6 +38,8 @@ macro_rules! conformance_suite {
             a_settlement_after_close_is_refused,
             a_publish_wakes_an_idle_subscription,
             row_lock_handler_writes_commit_with_the_ack_only,
+            a_null_key_value_is_delivered_under_the_empty_key,
+            a_text_attempt_column_is_a_schema_error_naming_it,
         );
         $crate::conformance_suite!(@modes $db;
             first_delivery_reads_attempt_one,
@@ -56,7 +59,37 @@ macro_rules! conformance_suite {
             a_handler_panic_is_a_retry,
             a_handler_error_is_a_retry,
             a_row_that_does_not_decode_is_retried_not_lost,
+            stress_with_random_outcomes_and_kills,
+            killed_connections_lose_nothing,
+            identifiers_and_values_that_look_like_sql_round_trip,
         );
+        $crate::conformance_suite!(@named $db;
+            a_killed_worker_gives_its_rows_back,
+        );
+    };
+    (@named $db:ty; $($case:ident),* $(,)?) => {
+        mod killed {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                mod $case {
+                    #[allow(unused_imports)]
+                    use super::*;
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn row_lock() {
+                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::RowLock, concat!(module_path!(), "::row_lock")).await;
+                    }
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn lease() {
+                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::Lease, concat!(module_path!(), "::lease")).await;
+                    }
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                    async fn advisory() {
+                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::Advisory, concat!(module_path!(), "::advisory")).await;
+                    }
+                }
+            )*
+        }
     };
     (@plain $db:ty; $($case:ident),* $(,)?) => {
         $(

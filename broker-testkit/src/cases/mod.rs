@@ -3,14 +3,18 @@
 //! mode is refused as such) when the backend does not offer it.
 
 mod attempts;
+mod bad_input;
 mod concurrency;
 mod description;
+mod faults;
 mod lifecycle;
 mod settle;
 
 pub use attempts::*;
+pub use bad_input::*;
 pub use concurrency::*;
 pub use description::*;
+pub use faults::*;
 pub use lifecycle::*;
 pub use settle::*;
 
