@@ -27,6 +27,33 @@ impl broker_testkit::TestDb for Sqlite {
         broker.backend().is_key_held(key)
     }
 
+    async fn leaks(broker: &SqliteBroker) -> Vec<String> {
+        // SQLite has no server sessions: what can leak is a key left in the process's key
+        // table, or a pool connection never given back.
+        let mut leaks = Vec::new();
+        let held = broker.backend().held_keys();
+        if held > 0 {
+            leaks.push(format!("{held} advisory keys still held"));
+        }
+        // A connection goes back to the pool in a task of its own: give it a moment.
+        let pool = broker.pool();
+        let in_use = || {
+            pool.size()
+                .saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX))
+        };
+        for _ in 0..100 {
+            if in_use() == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let in_use = in_use();
+        if in_use > 0 {
+            leaks.push(format!("{in_use} pool connections still in use"));
+        }
+        leaks
+    }
+
     async fn drop_database(url: &str) {
         let path = url.trim_start_matches("sqlite://");
         for suffix in ["", "-wal", "-shm"] {
