@@ -281,12 +281,15 @@ impl History {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         // A broker killed between two moments may have claimed the row unseen (claimed, never
-        // started): lease and advisory count that attempt.
+        // started): lease and advisory count that attempt. So may a claim whose connection was
+        // killed after its write committed but before the reply arrived: the claim fails, and
+        // the attempt it counted is used, as a crash's is.
         let unseen_claim = |from: Duration, to: Duration| {
             expect.mode != ClaimMode::RowLock
-                && broker_kills
+                && (broker_kills
                     .iter()
                     .any(|(at, over)| *at <= to && *over >= from)
+                    || kills.iter().any(|k| *k <= to && *k >= from))
         };
         let mut problems = String::new();
         let mut by_id: BTreeMap<i64, Vec<&Record>> = BTreeMap::new();

@@ -1,0 +1,521 @@
+//! Advisory mode on MySQL and MariaDB: `GET_LOCK(name, 0)` on a pool connection of its own per
+//! key. The connection follows the delivery (the take and the settlement run on it) and
+//! `RELEASE_LOCK` frees the key before it goes back to the pool. A key lock dropped without
+//! unlocking closes its connection instead, so the server ends the session and frees the key:
+//! a connection never returns to the pool holding a lock (`GET_LOCK` is re-entrant within a
+//! session, so a pooled connection that still held a key would let this process take it twice).
+//!
+//! # Lock names
+//! Keys belong to the database, not the table: a key is locked under `"<database>:<key>"`. MySQL
+//! allows 64 characters in a lock name and converts it to utf8mb3; MariaDB allows 192 bytes. A
+//! name longer than 64 characters, or holding a character outside the Basic Multilingual Plane
+//! (four UTF-8 bytes, which utf8mb3 cannot hold), is replaced by the lowercase hex SHA-256 of
+//! its UTF-8 bytes: 64 characters, the same in every process. Characters are counted as Rust
+//! `char`s (Unicode scalar values), which is how MySQL counts utf8mb4 characters; every name
+//! kept as is is then at most 64 characters of at most 3 bytes, within both servers' limits. A
+//! kept name always holds a `:` and a hash never does, so the two never collide.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use broker_core::strategy::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
+use sha2::{Digest, Sha256};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
+
+use crate::backend::{Conn, claimed};
+use crate::fifo::{self, Guard};
+use crate::sql::{Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident};
+
+/// The longest lock name, in characters, that both servers take as it is.
+pub const MAX_LOCK_NAME_CHARS: usize = 64;
+
+/// The name a key is locked under in `database`: `"<database>:<key>"`, or its SHA-256 in hex
+/// when that is longer than 64 characters or holds a character outside the Basic Multilingual
+/// Plane (see the [module docs](crate#advisory-lock-names)).
+///
+/// ```
+/// assert_eq!(broker_mysql::lock_name("shop", "account-7"), "shop:account-7");
+/// assert_eq!(broker_mysql::lock_name("shop", &"x".repeat(100)).len(), 64);
+/// ```
+pub fn lock_name(database: &str, key: &str) -> String {
+    let name = format!("{database}:{key}");
+    let fits =
+        name.chars().count() <= MAX_LOCK_NAME_CHARS && name.chars().all(|c| u32::from(c) <= 0xFFFF);
+    if fits {
+        return name;
+    }
+    Sha256::digest(name.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// How many lock names one pre-filter statement probes (unused slots bind NULL), so the statement
+/// text never changes and stays prepared.
+const PROBES: usize = 16;
+
+/// A held key: a pool connection of its own that holds `GET_LOCK` on the key's name.
+///
+/// Dropping it without unlocking closes the connection (the session ends and the server frees
+/// the key); it never goes back to the pool holding the lock.
+#[derive(Debug)]
+pub struct KeyLock {
+    conn: Option<PoolConnection<MySql>>,
+    key: String,
+    name: String,
+    /// A statement on the connection was started and has not finished (its future was dropped):
+    /// the connection is closed rather than reused.
+    in_flight: bool,
+}
+
+impl KeyLock {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The lock name the key is held under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn conn(&mut self) -> &mut MySqlConnection {
+        self.in_flight = true;
+        self.conn
+            .as_mut()
+            .expect("a key lock keeps its connection until unlocked")
+    }
+}
+
+impl Drop for KeyLock {
+    fn drop(&mut self) {
+        if let Some(conn) = &mut self.conn {
+            conn.close_on_drop();
+        }
+    }
+}
+
+/// How a row is taken under its key.
+#[derive(Debug)]
+enum Take {
+    /// Count the attempt where the row is still claimable, then read it.
+    Update { update: Stmt, read: Stmt },
+    /// FIFO tables: in one transaction, re-read the row under a lock (with the head condition),
+    /// run the group guard, count the attempt. MySQL refuses the head subquery inside an
+    /// `UPDATE` of the same table (error 1093).
+    Locked {
+        begin: Arc<str>,
+        read: Stmt,
+        guard: Stmt,
+        count: Stmt,
+    },
+}
+
+/// The advisory strategy of one MySQL / MariaDB table.
+#[derive(Debug)]
+pub struct MySqlAdvisory {
+    pool: MySqlPool,
+    table: Arc<TableDescription>,
+    database: String,
+    template: KeyTemplate,
+    candidates: Stmt,
+    probe: Arc<str>,
+    take: Take,
+    settle: SettleStatements,
+}
+
+impl MySqlAdvisory {
+    pub(crate) fn new(
+        pool: MySqlPool,
+        table: Arc<TableDescription>,
+        database: String,
+        group_index: Option<&str>,
+    ) -> Self {
+        let s = Statements::new(&table);
+        let template = table
+            .advisory_lock()
+            .expect("advisory mode has a template")
+            .clone();
+        let key_columns: Vec<String> = template
+            .columns()
+            .iter()
+            .map(|c| format!("CAST({}.{} AS CHAR)", s.table, ident(c)))
+            .collect();
+        let candidates = Sql::new(format!(
+            "SELECT CAST({} AS SIGNED), {} FROM {} WHERE ",
+            s.id,
+            key_columns.join(", "),
+            s.table
+        ))
+        .append(&s.claimable)
+        .push(&format!(" ORDER BY {} LIMIT ", s.order))
+        .param(P::Limit)
+        .stmt("candidates");
+        let probe = format!(
+            "SELECT {}",
+            vec!["CAST(IS_FREE_LOCK(?) AS SIGNED)"; PROBES].join(", ")
+        )
+        .into();
+        let by_id = Sql::new(format!(" WHERE {} = ", s.id)).param(P::Id);
+        let take = match fifo::guard(&table, group_index) {
+            None => Take::Update {
+                update: Sql::new(format!(
+                    "UPDATE {t} SET {a} = {a} + 1",
+                    t = s.table,
+                    a = s.attempt
+                ))
+                .append(&by_id)
+                .push(" AND ")
+                .append(&s.claimable)
+                .stmt("take"),
+                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(true), s.table))
+                    .append(&by_id)
+                    .stmt("take read"),
+            },
+            Some(guard) => Take::Locked {
+                begin: begin_sql(&table),
+                // -- needs NOWAIT: MySQL 8.0.1, MariaDB 10.3
+                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
+                    .append(&by_id)
+                    .push(" AND ")
+                    .append(&s.claimable)
+                    .push(" FOR UPDATE NOWAIT")
+                    .stmt("take"),
+                guard,
+                count: Sql::new(format!(
+                    "UPDATE {t} SET {a} = {a} + 1",
+                    t = s.table,
+                    a = s.attempt
+                ))
+                .append(&by_id)
+                .stmt("take count"),
+            },
+        };
+        // The key lock keeps other claims out; the fence on the attempt the take wrote keeps out a
+        // settlement from a delivery whose key went away under it (its connection was killed, or
+        // a dropped future's statement landed late) after the row was taken again.
+        let fence = Sql::new(format!(" AND {} = ", s.attempt)).param(P::HeldAttempt);
+        let settle = s.settle(&table, &fence, false);
+        Self {
+            pool,
+            table,
+            database,
+            template,
+            candidates,
+            probe,
+            take,
+            settle,
+        }
+    }
+
+    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+        let mut out = vec![&self.candidates];
+        match &self.take {
+            Take::Update { update, read } => out.extend([update, read]),
+            Take::Locked {
+                read, guard, count, ..
+            } => out.extend([read, guard, count]),
+        }
+        out.extend(self.settle.named());
+        out
+    }
+
+    fn err(&self, name: &'static str) -> impl Fn(sqlx::Error) -> SqlxBrokerError + '_ {
+        move |e| SqlxBrokerError::statement(self.table.name(), name, e)
+    }
+
+    async fn candidates_on(
+        &self,
+        conn: &mut MySqlConnection,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<Vec<Candidate>> {
+        let args = Args {
+            now_ms,
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            ..Args::default()
+        };
+        let rows = self
+            .candidates
+            .bind(&args)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(self.err("candidates"))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: i64 = row.try_get(0).map_err(self.err("candidates"))?;
+            let values = (1..row.len())
+                .map(|i| row.try_get::<Option<String>, _>(i))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(self.err("candidates"))?;
+            out.push(Candidate {
+                id,
+                key: self.template.render(&values),
+            });
+        }
+        // Pre-filter: keys another session holds are skipped here, in one statement, instead of
+        // each spending a pool connection on a GET_LOCK that fails. A key freed or taken in
+        // between is caught by the GET_LOCK itself.
+        let mut names: HashMap<&str, String> = HashMap::new();
+        for c in &out {
+            names
+                .entry(c.key.as_str())
+                .or_insert_with(|| lock_name(&self.database, &c.key));
+        }
+        let names: Vec<(&str, String)> = names.into_iter().collect();
+        let mut held: HashSet<&str> = HashSet::new();
+        for chunk in names.chunks(PROBES) {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(self.probe.clone()));
+            for i in 0..PROBES {
+                q = q.bind(chunk.get(i).map(|(_, name)| name.as_str()));
+            }
+            let row = q
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(self.err("key probe"))?;
+            for (i, (key, _)) in chunk.iter().enumerate() {
+                let free: Option<i64> = row.try_get(i).map_err(self.err("key probe"))?;
+                if free == Some(0) {
+                    held.insert(key);
+                }
+            }
+        }
+        let held: HashSet<String> = held.into_iter().map(str::to_owned).collect();
+        out.retain(|c| !held.contains(&c.key));
+        Ok(out)
+    }
+
+    async fn take_on(
+        &self,
+        conn: &mut MySqlConnection,
+        key: String,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<Option<ClaimedRow<MySql>>> {
+        let name = self.table.name();
+        let args = Args {
+            id,
+            now_ms,
+            ..Args::default()
+        };
+        match &self.take {
+            Take::Update { update, read } => {
+                let done = update
+                    .bind(&args)
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(self.err(update.name))?;
+                if done.rows_affected() != 1 {
+                    return Ok(None);
+                }
+                // The key lock keeps every other taker off the row, so this reads what the
+                // update left.
+                let row = read
+                    .bind(&args)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(self.err(read.name))?;
+                row.map(|row| claimed(&self.table, row, Some(key)))
+                    .transpose()
+            }
+            Take::Locked {
+                begin,
+                read,
+                guard,
+                count,
+            } => {
+                let mut tx = conn
+                    .begin_with(sqlx::AssertSqlSafe(begin.clone()))
+                    .await
+                    .map_err(self.err("begin"))?;
+                let row = match read.bind(&args).fetch_optional(&mut *tx).await {
+                    Ok(Some(row)) => claimed(&self.table, row, Some(key))?,
+                    Ok(None) => {
+                        tx.rollback().await.map_err(self.err("rollback"))?;
+                        return Ok(None);
+                    }
+                    Err(e) if fifo::is_busy(&e) => {
+                        tx.rollback().await.map_err(self.err("rollback"))?;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(self.err(read.name)(e)),
+                };
+                if fifo::check(&mut tx, guard, name, &row.row, id).await? == Guard::Behind {
+                    tracing::debug!(table = name, id, "fifo guard: not the group's head now");
+                    tx.rollback().await.map_err(self.err("rollback"))?;
+                    return Ok(None);
+                }
+                count
+                    .bind(&args)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(self.err(count.name))?;
+                tx.commit().await.map_err(self.err("commit"))?;
+                Ok(Some(row))
+            }
+        }
+    }
+}
+
+impl AdvisoryStrategy for MySqlAdvisory {
+    type Db = MySql;
+    type KeyLock = KeyLock;
+
+    async fn candidates(&self, limit: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let out = self.candidates_on(&mut conn, limit, now_ms).await;
+        conn.finish();
+        out
+    }
+
+    async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {
+        let name = lock_name(&self.database, key);
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let got: Result<Option<i64>, _> =
+            sqlx::query_scalar("SELECT CAST(GET_LOCK(?, 0) AS SIGNED)")
+                .bind(&name)
+                .fetch_one(&mut *conn)
+                .await;
+        match got {
+            Ok(Some(1)) => Ok(Some(KeyLock {
+                conn: Some(conn.into_inner()),
+                key: key.to_owned(),
+                name,
+                in_flight: false,
+            })),
+            Ok(Some(_)) => {
+                conn.finish();
+                Ok(None)
+            }
+            Ok(None) => {
+                // NULL: an error inside GET_LOCK; the session may hold nothing useful.
+                drop(conn);
+                Err(self.err("lock")(sqlx::Error::Protocol(format!(
+                    "GET_LOCK({name:?}) returned NULL"
+                ))))
+            }
+            Err(e) => {
+                // Whatever the statement did, closing the connection frees any lock it took.
+                drop(conn);
+                Err(self.err("lock")(e))
+            }
+        }
+    }
+
+    async fn take(
+        &self,
+        lock: &mut KeyLock,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<Option<ClaimedRow<MySql>>> {
+        let key = lock.key.clone();
+        let out = self.take_on(lock.conn(), key, id, now_ms).await;
+        lock.in_flight = false;
+        out
+    }
+
+    async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
+        let out = self
+            .settle
+            .run(lock.conn(), self.table.name(), settle, None, false)
+            .await;
+        lock.in_flight = false;
+        match out? {
+            true => Ok(()),
+            false => Err(SqlxBrokerError::ClaimLost {
+                table: self.table.name().to_owned(),
+                id: settle.id,
+            }),
+        }
+    }
+
+    async fn unlock(&self, mut lock: KeyLock) -> Result<()> {
+        let Some(conn) = lock.conn.take() else {
+            return Ok(());
+        };
+        let mut conn = Conn::guard(conn);
+        if lock.in_flight {
+            // A statement on it was cut short: close it (dropping an armed guard does), which
+            // ends the session and frees the key.
+            return Ok(());
+        }
+        let released: Result<Option<i64>, _> =
+            sqlx::query_scalar("SELECT CAST(RELEASE_LOCK(?) AS SIGNED)")
+                .bind(&lock.name)
+                .fetch_one(&mut *conn)
+                .await;
+        match released {
+            Ok(Some(1)) => conn.finish(),
+            other => {
+                // Not released as expected: close the connection so the session cannot keep
+                // the key, and report it without failing the settlement that came before.
+                tracing::warn!(
+                    table = self.table.name(),
+                    key = lock.key,
+                    result = ?other,
+                    "RELEASE_LOCK did not release the key; closing its connection instead"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_name_of_exactly_64_characters_is_kept() {
+        let key = "k".repeat(64 - "db:".len());
+        let name = lock_name("db", &key);
+        assert_eq!(name, format!("db:{key}"));
+        assert_eq!(name.chars().count(), 64);
+    }
+
+    #[test]
+    fn a_lock_name_of_65_characters_is_hashed() {
+        let key = "k".repeat(65 - "db:".len());
+        let name = lock_name("db", &key);
+        assert_eq!(name.len(), 64);
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        );
+        assert!(!name.contains(':'));
+        // SHA-256 of the UTF-8 bytes, as `SELECT SHA2(name, 256)` computes it.
+        let expected: String = Sha256::digest(format!("db:{key}").as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(name, expected);
+        assert_eq!(lock_name("db", &key), name, "the same in every call");
+    }
+
+    #[test]
+    fn multi_byte_characters_count_as_characters_not_bytes() {
+        // 64 characters of two and three bytes each: 191 bytes, still kept.
+        let key = format!("{}{}", "é".repeat(30), "€".repeat(31));
+        let name = lock_name("db", &key);
+        assert_eq!(name.chars().count(), 64);
+        assert_eq!(name, format!("db:{key}"));
+        // One more character is over the limit.
+        assert_eq!(lock_name("db", &format!("{key}é")).len(), 64);
+        assert!(!lock_name("db", &format!("{key}é")).contains(':'));
+    }
+
+    #[test]
+    fn a_character_outside_the_bmp_is_hashed_even_in_a_short_name() {
+        let name = lock_name("db", "party-🎉");
+        assert_eq!(name.len(), 64);
+        assert!(!name.contains(':'));
+        assert_eq!(lock_name("db", "party-é"), "db:party-é");
+    }
+
+    #[test]
+    fn keys_belong_to_the_database() {
+        assert_ne!(lock_name("a", "k"), lock_name("b", "k"));
+    }
+}

@@ -1,0 +1,245 @@
+//! Lease mode on MySQL and MariaDB. Neither server has `UPDATE .. RETURNING`, so a claim is a
+//! locking read (`FOR UPDATE SKIP LOCKED`) of the due rows, then one `UPDATE .. WHERE id IN (..)`
+//! that writes the expiry and counts the attempt, in one READ COMMITTED transaction committed at
+//! once. The rows come back as the locking read saw them, so their attempt is the one before the
+//! claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
+//! still be what this claim wrote.
+//!
+//! Expiries are whole seconds, bound as seconds and written with `TIMESTAMPADD(SECOND, ..)`, so a
+//! `DATETIME` or `TIMESTAMP` column without fractions stores them exactly and the fence compares
+//! equal.
+
+use std::sync::Arc;
+
+use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::{Result, SqlxBrokerError, TableDescription};
+use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
+
+use crate::backend::{Conn, claimed};
+use crate::fifo::{self, Guard};
+use crate::sql::{
+    Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying, whole_seconds,
+};
+
+/// The lease strategy of one MySQL / MariaDB table.
+#[derive(Debug)]
+pub struct MySqlLease {
+    pool: MySqlPool,
+    table: Arc<TableDescription>,
+    begin: Arc<str>,
+    select: Stmt,
+    /// The claim's update up to `IN (`; the ids' placeholders follow.
+    update_head: String,
+    /// The update with one id, for the startup check.
+    update_one: Stmt,
+    guard: Option<Stmt>,
+    renew: Stmt,
+    settle: SettleStatements,
+}
+
+impl MySqlLease {
+    pub(crate) fn new(
+        pool: MySqlPool,
+        table: Arc<TableDescription>,
+        group_index: Option<&str>,
+    ) -> Self {
+        let s = Statements::new(&table);
+        let lu = format!(
+            "{}.{}",
+            s.table,
+            ident(table.locked_until().expect("lease mode has locked_until"))
+        );
+        // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
+        let select = Sql::new(format!(
+            "SELECT {} FROM {} WHERE ",
+            s.select_list(false),
+            s.table
+        ))
+        .append(&s.claimable)
+        .push(&format!(" ORDER BY {} LIMIT ", s.order))
+        .param(P::Limit)
+        .push(" FOR UPDATE SKIP LOCKED")
+        .stmt("claim");
+        let update = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
+            .time_s(P::Expires)
+            .push(&format!(
+                ", {a} = {a} + 1 WHERE {id} IN (",
+                a = s.attempt,
+                id = s.id
+            ));
+        let update_head = update.clone().stmt("claim update").sql().to_owned();
+        let update_one = update.param(P::Id).push(")").stmt("claim update");
+        let fence = Sql::new(format!(" AND {lu} = "))
+            .time_s(P::TokenExpires)
+            .push(&format!(" AND {} = ", s.attempt))
+            .param(P::TokenAttempt);
+        let renew = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
+            .time_s(P::Expires)
+            .push(&format!(" WHERE {} = ", s.id))
+            .param(P::Id)
+            .append(&fence)
+            .stmt("renew");
+        let settle = s.settle(&table, &fence, false);
+        Self {
+            pool,
+            begin: begin_sql(&table),
+            select,
+            update_head,
+            update_one,
+            guard: fifo::guard(&table, group_index),
+            renew,
+            settle,
+            table,
+        }
+    }
+
+    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+        let mut out = vec![&self.select, &self.update_one, &self.renew];
+        out.extend(&self.guard);
+        out.extend(self.settle.named());
+        out
+    }
+
+    fn err(&self, name: &'static str) -> impl Fn(sqlx::Error) -> SqlxBrokerError + '_ {
+        move |e| SqlxBrokerError::statement(self.table.name(), name, e)
+    }
+
+    async fn claim_once(
+        &self,
+        limit: usize,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> Result<Vec<ClaimedRow<MySql>>> {
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let out = self.claim_on(&mut conn, limit, now_ms, expires_ms).await;
+        conn.finish();
+        out
+    }
+
+    async fn claim_on(
+        &self,
+        conn: &mut MySqlConnection,
+        limit: usize,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> Result<Vec<ClaimedRow<MySql>>> {
+        let name = self.table.name();
+        let mut tx = conn
+            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
+            .await
+            .map_err(self.err("begin"))?;
+        let args = Args {
+            now_ms,
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            ..Args::default()
+        };
+        let rows = self
+            .select
+            .bind(&args)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(self.err("claim"))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let row = claimed(&self.table, row, None)?;
+            if let Some(guard) = &self.guard
+                && fifo::check(&mut tx, guard, name, &row.row, row.id).await? == Guard::Behind
+            {
+                // A NOWAIT that met a lock may have ended the transaction on MariaDB (with
+                // innodb_rollback_on_timeout); give the whole claim up rather than guess.
+                tracing::debug!(
+                    table = name,
+                    id = row.id,
+                    "fifo guard: not the group's head now"
+                );
+                tx.rollback().await.map_err(self.err("rollback"))?;
+                return Ok(Vec::new());
+            }
+            out.push(row);
+        }
+        if out.is_empty() {
+            tx.rollback().await.map_err(self.err("rollback"))?;
+            return Ok(out);
+        }
+        let sql = format!("{}{})", self.update_head, vec!["?"; out.len()].join(", "));
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(whole_seconds(expires_ms));
+        for row in &out {
+            q = q.bind(row.id);
+        }
+        let done = q
+            .execute(&mut *tx)
+            .await
+            .map_err(self.err("claim update"))?;
+        if done.rows_affected() != out.len() as u64 {
+            // The rows are locked by this transaction, so this cannot happen; if it does, claim
+            // nothing rather than hand out a row without its lease.
+            tx.rollback().await.map_err(self.err("rollback"))?;
+            return Err(SqlxBrokerError::statement(
+                name,
+                "claim update",
+                sqlx::Error::Protocol(format!(
+                    "the claim locked {} rows but updated {}",
+                    out.len(),
+                    done.rows_affected()
+                )),
+            ));
+        }
+        tx.commit().await.map_err(self.err("commit"))?;
+        Ok(out)
+    }
+
+    async fn renew_once(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
+        let args = Args {
+            id,
+            expires_ms,
+            token: Some(token),
+            ..Args::default()
+        };
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let done = self.renew.bind(&args).execute(&mut *conn).await;
+        conn.finish();
+        Ok(done.map_err(self.err("renew"))?.rows_affected() == 1)
+    }
+
+    async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let out = self
+            .settle
+            .run(&mut conn, self.table.name(), settle, Some(token), false)
+            .await;
+        conn.finish();
+        out
+    }
+}
+
+impl LeaseStrategy for MySqlLease {
+    type Db = MySql;
+
+    async fn claim(
+        &self,
+        limit: usize,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> Result<Vec<ClaimedRow<MySql>>> {
+        retrying(self.table.name(), "claim", || {
+            self.claim_once(limit, now_ms, expires_ms)
+        })
+        .await
+    }
+
+    async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
+        retrying(self.table.name(), "renew", || {
+            self.renew_once(id, token, expires_ms)
+        })
+        .await
+    }
+
+    async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
+        // Every settlement is fenced on the token, so running one again after a deadlock
+        // changes nothing twice.
+        retrying(self.table.name(), "settle", || {
+            self.settle_once(token, settle)
+        })
+        .await
+    }
+}

@@ -1,0 +1,129 @@
+//! Row lock mode on MySQL and MariaDB: a READ COMMITTED transaction takes one due row with
+//! `FOR UPDATE SKIP LOCKED` and stays open while the handler runs; the settlement runs in it and
+//! commits.
+//!
+//! Right after the claim's select the transaction sets a savepoint. A retry or dead letter rolls
+//! back to it — undoing what the handler wrote through the delivery's transaction, while InnoDB
+//! keeps the claimed row locked — then counts the attempt and commits. A crash, a killed
+//! connection or a dropped delivery rolls the whole transaction back: the row is due again at
+//! once and no attempt is used.
+
+use std::sync::Arc;
+
+use broker_core::strategy::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::{Result, SqlxBrokerError, TableDescription};
+use sqlx::{MySql, MySqlPool, Transaction};
+
+use crate::backend::claimed;
+use crate::fifo::{self, Guard};
+use crate::sql::{
+    Args, CLAIM_SAVEPOINT, ROLLBACK_TO_CLAIM, SettleStatements, Sql, Statements, Stmt, begin_sql,
+    execute_plain, retrying,
+};
+
+/// The row lock strategy of one MySQL / MariaDB table.
+#[derive(Debug)]
+pub struct MySqlRowLock {
+    pool: MySqlPool,
+    table: Arc<TableDescription>,
+    begin: Arc<str>,
+    claim: Stmt,
+    guard: Option<Stmt>,
+    settle: SettleStatements,
+}
+
+impl MySqlRowLock {
+    pub(crate) fn new(
+        pool: MySqlPool,
+        table: Arc<TableDescription>,
+        group_index: Option<&str>,
+    ) -> Self {
+        let s = Statements::new(&table);
+        // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
+        let claim = Sql::new(format!(
+            "SELECT {} FROM {} WHERE ",
+            s.select_list(false),
+            s.table
+        ))
+        .append(&s.claimable)
+        .push(&format!(
+            " ORDER BY {} LIMIT 1 FOR UPDATE SKIP LOCKED",
+            s.order
+        ))
+        .stmt("claim");
+        let settle = s.settle(&table, &Sql::default(), true);
+        Self {
+            pool,
+            begin: begin_sql(&table),
+            claim,
+            guard: fifo::guard(&table, group_index),
+            settle,
+            table,
+        }
+    }
+
+    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+        let mut out = vec![&self.claim];
+        out.extend(&self.guard);
+        out.extend(self.settle.named());
+        out
+    }
+
+    fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {
+        move |e| SqlxBrokerError::statement(self.table.name(), name, e)
+    }
+
+    async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
+        let name = self.table.name();
+        let mut tx = self
+            .pool
+            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
+            .await
+            .map_err(self.err("begin"))?;
+        let args = Args {
+            now_ms,
+            ..Args::default()
+        };
+        let row = self
+            .claim
+            .bind(&args)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(self.err("claim"))?;
+        let Some(row) = row else {
+            tx.rollback().await.map_err(self.err("rollback"))?;
+            return Ok(None);
+        };
+        let row = claimed(&self.table, row, None)?;
+        if let Some(guard) = &self.guard
+            && fifo::check(&mut tx, guard, name, &row.row, row.id).await? == Guard::Behind
+        {
+            tracing::debug!(
+                table = name,
+                id = row.id,
+                "fifo guard: not the group's head now"
+            );
+            tx.rollback().await.map_err(self.err("rollback"))?;
+            return Ok(None);
+        }
+        execute_plain(&mut tx, name, "savepoint", CLAIM_SAVEPOINT).await?;
+        Ok(Some((tx, row)))
+    }
+}
+
+impl RowLockStrategy for MySqlRowLock {
+    type Db = MySql;
+
+    async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
+        retrying(self.table.name(), "claim", || self.claim_once(now_ms)).await
+    }
+
+    async fn settle(&self, mut tx: Transaction<'static, MySql>, settle: Settle) -> Result<()> {
+        let name = self.table.name();
+        if settle.action != Action::Ack {
+            execute_plain(&mut tx, name, "rollback to savepoint", ROLLBACK_TO_CLAIM).await?;
+        }
+        self.settle.run(&mut tx, name, settle, None, true).await?;
+        tx.commit().await.map_err(self.err("commit"))
+    }
+}

@@ -1,0 +1,394 @@
+//! DDL for a description, and the startup checks that the table, its columns and every
+//! statement are in order.
+
+use std::collections::HashMap;
+
+use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
+use sqlx::{Executor, MySqlConnection};
+
+use crate::fifo::GROUP_INDEX;
+use crate::sql::{Stmt, ident, unfinished_columns};
+
+/// The name of the claim index the DDL helper creates.
+pub(crate) const CLAIM_INDEX: &str = "sqlx_broker_claim";
+
+fn column_type(ty: ColumnType) -> &'static str {
+    match ty {
+        ColumnType::Text => "LONGTEXT",
+        ColumnType::BigInt => "BIGINT",
+        // MariaDB reads JSON as LONGTEXT with a JSON_VALID check.
+        ColumnType::Json => "JSON",
+        ColumnType::Bytes => "LONGBLOB",
+    }
+}
+
+/// The columns of a description as DDL, for the queue table (`queue`: the id is
+/// AUTO_INCREMENT) or its dead-letter table (same columns, same order, so a dead letter copies
+/// with `INSERT .. SELECT *`). Times are DATETIME(6) and hold UTC.
+fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
+    let mut cols = vec![format!(
+        "{} BIGINT NOT NULL{}",
+        ident(t.id()),
+        if queue { " AUTO_INCREMENT" } else { "" }
+    )];
+    if let Some((p, ty)) = t.payload() {
+        cols.push(format!("{} {} NULL", ident(p), column_type(ty)));
+    }
+    cols.push(format!("{} INT NOT NULL DEFAULT 1", ident(t.attempt())));
+    for c in [t.locked_until(), t.due_at(), t.processed_at()]
+        .into_iter()
+        .flatten()
+    {
+        cols.push(format!("{} DATETIME(6) NULL", ident(c)));
+    }
+    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+        cols.push(format!("{} DATETIME(6) NULL", ident(c)));
+    }
+    if let Some(g) = t.group() {
+        // Indexed, so it needs a bounded length.
+        cols.push(format!("{} VARCHAR(255) NULL", ident(g)));
+    }
+    if let Some(p) = t.priority() {
+        cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(p)));
+    }
+    for (c, ty) in t.columns() {
+        cols.push(format!("{} {} NULL", ident(c), column_type(*ty)));
+    }
+    cols.push(format!("PRIMARY KEY ({})", ident(t.id())));
+    cols
+}
+
+/// The DDL of a description: the table with the index the claim reads and, for groups, the
+/// index the FIFO head check and guard read; then the dead-letter table.
+///
+/// The claim index holds the columns that finish a row (so finished rows are not scanned), then
+/// the claim order (`priority DESC, id`). A `FOR UPDATE SKIP LOCKED` claim that has to sort its
+/// rows (a filesort) locks every row it scans before sorting, so a second worker finds them all
+/// locked and gets nothing; reading an index in claim order, the claim stops after its `LIMIT`.
+/// Without finishing columns or a priority the primary key already is that order. (Descending
+/// index parts need MySQL 8.0 or MariaDB 10.8; MariaDB 10.6 and 10.7 read the index backwards
+/// for a priority table and sort.)
+pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
+    let table = ident(t.name());
+    let mut cols = columns(t, true);
+    let unfinished: Vec<String> = unfinished_columns(t).into_iter().map(ident).collect();
+    if !unfinished.is_empty() || t.priority().is_some() {
+        let mut claim = unfinished.clone();
+        if let Some(p) = t.priority() {
+            claim.push(format!("{} DESC", ident(p)));
+        }
+        claim.push(ident(t.id()));
+        cols.push(format!(
+            "INDEX {} ({})",
+            ident(CLAIM_INDEX),
+            claim.join(", ")
+        ));
+    }
+    if let Some(g) = t.group() {
+        let mut group = vec![ident(g)];
+        group.extend(unfinished.iter().cloned());
+        group.push(ident(t.id()));
+        cols.push(format!(
+            "INDEX {} ({})",
+            ident(GROUP_INDEX),
+            group.join(", ")
+        ));
+    }
+    let mut out = vec![format!(
+        "CREATE TABLE IF NOT EXISTS {table} ({}) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+        cols.join(", ")
+    )];
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        out.push(format!(
+            "CREATE TABLE IF NOT EXISTS {} ({}) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+            ident(d),
+            columns(t, false).join(", ")
+        ));
+    }
+    out
+}
+
+/// The DROP statements that undo [`ddl`].
+pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
+    let mut out = vec![format!("DROP TABLE IF EXISTS {}", ident(t.name()))];
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        out.push(format!("DROP TABLE IF EXISTS {}", ident(d)));
+    }
+    out
+}
+
+const INTEGER_TYPES: &[&str] = &["tinyint", "smallint", "mediumint", "int", "bigint"];
+const TIME_TYPES: &[&str] = &["datetime", "timestamp"];
+
+/// The index the FIFO guard reads a group through: `sqlx_broker_group` if the table has it, else
+/// another index that starts with the group column. `None` for tables that are not FIFO; an error
+/// naming the column when a FIFO table has no such index, because the guard would then scan (and
+/// lock) rows of other groups, and give up whenever one of them is in work.
+pub(crate) async fn group_index(
+    conn: &mut MySqlConnection,
+    t: &TableDescription,
+) -> Result<Option<String>, SqlxBrokerError> {
+    let (true, Some(group)) = (t.fifo(), t.group()) else {
+        return Ok(None);
+    };
+    let schema = |what: String, source| SqlxBrokerError::Schema {
+        table: t.name().to_owned(),
+        what,
+        statement: "index check",
+        source,
+    };
+    let index: Option<String> = sqlx::query_scalar(
+        "SELECT CAST(INDEX_NAME AS CHAR) FROM information_schema.STATISTICS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND SEQ_IN_INDEX = 1 \
+         AND COLUMN_NAME = ? ORDER BY INDEX_NAME <> ?, INDEX_NAME LIMIT 1",
+    )
+    .bind(t.name())
+    .bind(group)
+    .bind(GROUP_INDEX)
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(|e| schema("cannot read the table's indexes".into(), e))?;
+    match index {
+        Some(index) => Ok(Some(index)),
+        None => Err(schema(
+            format!(
+                "the FIFO guard reads a group through an index that starts with the group column \"{group}\", and the table has none; add one, e.g. INDEX {} ({}, {}) as the DDL helper does",
+                ident(GROUP_INDEX),
+                ident(group),
+                ident(t.id())
+            ),
+            sqlx::Error::Configuration("no index on the group column".into()),
+        )),
+    }
+}
+
+async fn prepare_sql(conn: &mut MySqlConnection, sql: String) -> Result<(), sqlx::Error> {
+    conn.prepare(sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(sql)))
+        .await
+        .map(|_| ())
+}
+
+/// Checks that the table and each named column exist, that the id and attempt columns are
+/// integers and the time columns DATETIME or TIMESTAMP, and that the dead-letter table exists.
+/// `utc`: the session converts times as UTC.
+pub(crate) async fn check_table(
+    conn: &mut MySqlConnection,
+    t: &TableDescription,
+    utc: bool,
+) -> Result<(), SqlxBrokerError> {
+    let table = ident(t.name());
+    let schema = |what: String, statement: &'static str, source| SqlxBrokerError::Schema {
+        table: t.name().to_owned(),
+        what,
+        statement,
+        source,
+    };
+    let prepare = prepare_sql;
+    prepare(conn, format!("SELECT * FROM {table} LIMIT 0"))
+        .await
+        .map_err(|e| {
+            schema(
+                "the table does not exist or cannot be read; create it (see the DDL helper)".into(),
+                "table check",
+                e,
+            )
+        })?;
+    for (column, role) in t.named_columns() {
+        prepare(
+            conn,
+            format!("SELECT {} FROM {table} LIMIT 0", ident(column)),
+        )
+        .await
+        .map_err(|e| {
+            schema(
+                format!("column \"{column}\" ({role}) is missing; add it or fix the description"),
+                "column check",
+                e,
+            )
+        })?;
+    }
+    let types: Vec<(String, String)> = sqlx::query_as(
+        "SELECT CAST(COLUMN_NAME AS CHAR), CAST(LOWER(DATA_TYPE) AS CHAR) \
+         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+    )
+    .bind(t.name())
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| schema("cannot read the table's columns".into(), "column check", e))?;
+    // Column names compare without case in MySQL.
+    let types: HashMap<String, String> = types
+        .into_iter()
+        .map(|(c, ty)| (c.to_lowercase(), ty))
+        .collect();
+    let declared = |column: &str| types.get(&column.to_lowercase());
+    let mismatch = |column: &str, role: &str, declared: &str, wanted: &str| {
+        schema(
+            format!("column \"{column}\" ({role}) is declared {declared}; it must be {wanted}"),
+            "column check",
+            sqlx::Error::TypeNotFound {
+                type_name: declared.to_owned(),
+            },
+        )
+    };
+    for (column, role) in [(t.id(), "id"), (t.attempt(), "attempt")] {
+        if let Some(ty) = declared(column)
+            && !INTEGER_TYPES.contains(&ty.as_str())
+        {
+            return Err(mismatch(
+                column,
+                role,
+                ty,
+                "an integer column (BIGINT, INT)",
+            ));
+        }
+    }
+    let dead_col = match t.dead_letter() {
+        Some(DeadLetter::Column(c)) => Some(c.as_str()),
+        _ => None,
+    };
+    for (column, role) in [
+        (t.locked_until(), "locked_until"),
+        (t.due_at(), "due_at"),
+        (t.processed_at(), "processed_at"),
+        (dead_col, "dead_letter"),
+    ] {
+        let Some(column) = column else { continue };
+        let Some(ty) = declared(column) else { continue };
+        if !TIME_TYPES.contains(&ty.as_str()) {
+            return Err(mismatch(
+                column,
+                role,
+                ty,
+                "DATETIME or TIMESTAMP (DATETIME(6) is best)",
+            ));
+        }
+        if ty == "timestamp" && !utc {
+            return Err(schema(
+                format!(
+                    "column \"{column}\" ({role}) is a TIMESTAMP, which the server converts through the session time zone, and this pool's sessions are not UTC; keep sqlx's default MySqlConnectOptions::timezone(Some(\"+00:00\")) or make the column DATETIME(6)"
+                ),
+                "time zone check",
+                sqlx::Error::Configuration("the session time zone is not UTC".into()),
+            ));
+        }
+    }
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        prepare(conn, format!("SELECT * FROM {} LIMIT 0", ident(d)))
+            .await
+            .map_err(|e| {
+                schema(
+                    format!(
+                        "the dead-letter table \"{d}\" does not exist; create it (see the DDL helper)"
+                    ),
+                    "dead-letter check",
+                    e,
+                )
+            })?;
+    }
+    Ok(())
+}
+
+/// Prepares every statement of the table's mode, so a statement the table cannot run fails at
+/// startup, naming it.
+pub(crate) async fn check_statements(
+    conn: &mut MySqlConnection,
+    t: &TableDescription,
+    statements: &[&Stmt],
+) -> Result<(), SqlxBrokerError> {
+    for stmt in statements {
+        prepare_sql(conn, stmt.sql().to_owned())
+            .await
+            .map_err(|e| SqlxBrokerError::Schema {
+                table: t.name().to_owned(),
+                what: "a statement does not prepare; check the column types and names".into(),
+                statement: stmt.name,
+                source: e,
+            })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ddl_creates_the_claim_and_group_indexes_and_a_matching_dead_letter_table() {
+        let t = TableDescription::builder("jobs")
+            .payload("payload", ColumnType::Json)
+            .group("grp")
+            .fifo(true)
+            .priority("prio")
+            .processed_at("done")
+            .due_at("due")
+            .locked_until("lu")
+            .column("account", ColumnType::BigInt)
+            .max_attempts(3)
+            .dead_letter(DeadLetter::Table("jobs_dead".into()))
+            .build()
+            .unwrap();
+        let ddl = ddl(&t);
+        assert_eq!(ddl.len(), 2);
+        let queue = &ddl[0];
+        assert!(
+            queue.contains("`id` BIGINT NOT NULL AUTO_INCREMENT"),
+            "{queue}"
+        );
+        assert!(queue.contains("`payload` JSON NULL"), "{queue}");
+        assert!(
+            queue.contains("`attempt` INT NOT NULL DEFAULT 1"),
+            "{queue}"
+        );
+        assert!(queue.contains("`lu` DATETIME(6) NULL"), "{queue}");
+        assert!(queue.contains("`grp` VARCHAR(255) NULL"), "{queue}");
+        assert!(queue.contains("`prio` INT NOT NULL DEFAULT 0"), "{queue}");
+        assert!(
+            queue.contains("INDEX `sqlx_broker_claim` (`done`, `prio` DESC, `id`)"),
+            "{queue}"
+        );
+        assert!(
+            queue.contains("INDEX `sqlx_broker_group` (`grp`, `done`, `id`)"),
+            "{queue}"
+        );
+        assert!(
+            queue.ends_with("ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"),
+            "{queue}"
+        );
+        let dead = &ddl[1];
+        assert!(
+            dead.starts_with("CREATE TABLE IF NOT EXISTS `jobs_dead`"),
+            "{dead}"
+        );
+        assert!(
+            !dead.contains("AUTO_INCREMENT") && !dead.contains("INDEX"),
+            "{dead}"
+        );
+        // Same columns in the same order.
+        let names = |queue| {
+            columns(&t, queue)
+                .iter()
+                .map(|c| c.split(' ').next().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(true), names(false));
+        assert_eq!(names(true).len(), 10, "{:?}", names(true));
+        assert_eq!(
+            drop_ddl(&t),
+            vec![
+                "DROP TABLE IF EXISTS `jobs`",
+                "DROP TABLE IF EXISTS `jobs_dead`"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_plain_table_claims_through_its_primary_key() {
+        let t = TableDescription::builder("jobs")
+            .payload("payload", ColumnType::Text)
+            .build()
+            .unwrap();
+        let ddl = ddl(&t);
+        assert!(!ddl[0].contains("INDEX"), "{}", ddl[0]);
+        assert!(ddl[0].contains("`payload` LONGTEXT NULL"));
+    }
+}

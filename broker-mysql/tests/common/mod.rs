@@ -1,0 +1,319 @@
+//! The MariaDB / MySQL test database: a database of its own per test, brokers whose server
+//! connections are known by id, and probes of locks, transactions and connections.
+//!
+//! Advisory keys belong to the database (a key is locked as `"<database>:<key>"`), and the
+//! conformance cases of every mode use the same keys (`key-k0`, ..): in one shared database,
+//! tests running side by side would wait on each other's keys and see each other's locks. A
+//! database per test (a few milliseconds to create) keeps them apart; tables are unique per test
+//! as well.
+//!
+//! The server comes from `SQLX_BROKER_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`).
+//! An unreachable server fails the tests; it never skips them.
+
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use broker_core::Broker;
+use broker_mysql::{MySqlBackend, MySqlBroker};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Executor, MySqlConnection, MySqlPool};
+
+/// The server URL (test databases are created next to its database).
+pub(crate) fn base_url() -> String {
+    std::env::var("SQLX_BROKER_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+}
+
+/// A connection of its own (never a broker's), for administration and probes.
+pub(crate) async fn admin() -> MySqlConnection {
+    let url = base_url();
+    match tokio::time::timeout(Duration::from_secs(10), MySqlConnection::connect(&url)).await {
+        Ok(Ok(mut conn)) => {
+            // A DROP must never wait a year for a metadata lock a broken test left behind.
+            conn.execute("SET SESSION lock_wait_timeout = 20")
+                .await
+                .expect("set lock_wait_timeout");
+            conn
+        }
+        Ok(Err(e)) => panic!("MariaDB/MySQL at {url} is unreachable: {e}"),
+        Err(_) => panic!("MariaDB/MySQL at {url} did not answer within 10 s"),
+    }
+}
+
+fn quote(name: &str) -> String {
+    format!("`{}`", name.replace('`', "``"))
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = head.find("://").map_or(0, |i| i + 3);
+    let host_end = head[scheme_end..]
+        .find('/')
+        .map_or(head.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{database}", &head[..host_end]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// Drops test databases left behind by test processes that are gone. Once per process.
+async fn sweep_stale_databases(admin: &mut MySqlConnection) {
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT CAST(SCHEMA_NAME AS CHAR) FROM information_schema.SCHEMATA \
+                 WHERE SCHEMA_NAME LIKE 'sb\\_db\\_%'",
+            )
+            .fetch_all(&mut *admin)
+            .await
+            .unwrap_or_default();
+            for name in names {
+                let pid = name.split('_').nth(2).and_then(|p| p.parse::<u32>().ok());
+                let gone = pid.is_some_and(|pid| {
+                    pid != std::process::id()
+                        && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+                });
+                if gone {
+                    let sql = format!("DROP DATABASE IF EXISTS {}", quote(&name));
+                    let _ = admin.execute(AssertSqlSafe(sql)).await;
+                }
+            }
+        })
+        .await;
+}
+
+/// A fresh database for one test; returns its URL.
+pub(crate) async fn create_database() -> String {
+    let mut admin = admin().await;
+    sweep_stale_databases(&mut admin).await;
+    let name = broker_testkit::unique_name("db");
+    admin
+        .execute(AssertSqlSafe(format!(
+            "CREATE DATABASE {} CHARACTER SET utf8mb4",
+            quote(&name)
+        )))
+        .await
+        .expect("create the test database");
+    let _ = admin.close().await;
+    with_database(&base_url(), &name)
+}
+
+/// Drops a database [`create_database`] made.
+pub(crate) async fn drop_database(url: &str) {
+    let Ok(options) = MySqlConnectOptions::from_str(url) else {
+        return;
+    };
+    let Some(name) = options.get_database().map(str::to_owned) else {
+        return;
+    };
+    if !name.starts_with("sb_db_") {
+        return;
+    }
+    let mut admin = admin().await;
+    let _ = admin
+        .execute(AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {}",
+            quote(&name)
+        )))
+        .await;
+    let _ = admin.close().await;
+}
+
+type Ids = Arc<Mutex<HashSet<u64>>>;
+
+/// The server connection ids each test pool has opened, by the address of its connect options
+/// (a pool hands out the same `Arc` for its whole life).
+fn registry() -> &'static Mutex<HashMap<usize, Ids>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Ids>>> = OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+fn pool_key(pool: &MySqlPool) -> usize {
+    Arc::as_ptr(&pool.connect_options()) as usize
+}
+
+/// The server connection ids a pool has opened (closed ones included).
+pub(crate) fn connection_ids(pool: &MySqlPool) -> Vec<u64> {
+    let ids = registry()
+        .lock()
+        .unwrap()
+        .get(&pool_key(pool))
+        .cloned()
+        .unwrap_or_default();
+    let ids = ids.lock().unwrap();
+    ids.iter().copied().collect()
+}
+
+/// A broker with a pool of its own on `url` (12 connections: enough for 8 deliveries in work,
+/// and four brokers of a stress run stay well under the server's 151), whose server connection
+/// ids are recorded as they open.
+pub(crate) async fn connect(url: &str) -> MySqlBroker {
+    let ids: Ids = Arc::default();
+    let record = ids.clone();
+    let options = MySqlBackend::connect_options(url).expect("a MySQL URL");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(12)
+        .acquire_timeout(Duration::from_secs(20))
+        .after_connect(move |conn, _meta| {
+            let record = record.clone();
+            Box::pin(async move {
+                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                    .fetch_one(&mut *conn)
+                    .await?;
+                record.lock().unwrap().insert(id);
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("MariaDB/MySQL at {url} is unreachable: {e}"));
+    registry().lock().unwrap().insert(pool_key(&pool), ids);
+    Broker::new(MySqlBackend::new(pool))
+}
+
+/// Whether any session holds the advisory key `key` in the broker's database now.
+pub(crate) async fn key_is_held(broker: &MySqlBroker, key: &str) -> bool {
+    broker
+        .backend()
+        .is_key_held(key)
+        .await
+        .expect("probe the key")
+}
+
+/// The ids of the pool's connections that are still open on the server.
+async fn live_ids(admin: &mut MySqlConnection, pool: &MySqlPool) -> Vec<u64> {
+    let mine: HashSet<u64> = connection_ids(pool).into_iter().collect();
+    let live: Vec<u64> =
+        sqlx::query_scalar("SELECT CAST(ID AS UNSIGNED) FROM information_schema.PROCESSLIST")
+            .fetch_all(&mut *admin)
+            .await
+            .expect("read the process list");
+    live.into_iter().filter(|id| mine.contains(id)).collect()
+}
+
+/// `KILL`s every open server connection of the broker's pool from another session; returns how
+/// many.
+pub(crate) async fn kill_connections(broker: &MySqlBroker) -> usize {
+    let mut admin = admin().await;
+    let mut killed = 0;
+    for id in live_ids(&mut admin, broker.pool()).await {
+        if admin
+            .execute(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .await
+            .is_ok()
+        {
+            killed += 1;
+        }
+    }
+    let _ = admin.close().await;
+    killed
+}
+
+/// Open transactions of the broker's connections.
+pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
+    let mut admin = admin().await;
+    let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
+    let open: Vec<u64> = sqlx::query_scalar(
+        "SELECT CAST(trx_mysql_thread_id AS UNSIGNED) FROM information_schema.INNODB_TRX",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .expect("read INNODB_TRX");
+    let _ = admin.close().await;
+    open.into_iter().filter(|id| mine.contains(id)).count()
+}
+
+/// What the broker leaves behind: connections of its pool still in use, open transactions of
+/// its sessions, and idle pooled connections that still hold a user lock (which a `GET_LOCK` on
+/// them would take again, re-entrantly). Waits up to 5 s for connections on their way back to
+/// the pool.
+pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
+    let pool = broker.pool();
+    let start = Instant::now();
+    let mut out;
+    loop {
+        out = Vec::new();
+        if !pool.is_closed() {
+            let in_use = (pool.size() as usize).saturating_sub(pool.num_idle());
+            if in_use > 0 {
+                out.push(format!("{in_use} connections of the pool in use"));
+            }
+        }
+        let open = open_transactions(broker).await;
+        if open > 0 {
+            out.push(format!("{open} open transactions"));
+        }
+        if out.is_empty() || start.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if out.is_empty() && !pool.is_closed() {
+        // Hold every idle connection at once, so each is probed.
+        let mut held = Vec::new();
+        for _ in 0..pool.num_idle() {
+            match tokio::time::timeout(Duration::from_secs(5), pool.acquire()).await {
+                Ok(Ok(conn)) => held.push(conn),
+                _ => break,
+            }
+        }
+        for conn in &mut held {
+            let released: Option<i64> =
+                sqlx::query_scalar("SELECT CAST(RELEASE_ALL_LOCKS() AS SIGNED)")
+                    .fetch_one(&mut **conn)
+                    .await
+                    .unwrap_or(None);
+            if released.unwrap_or(0) > 0 {
+                out.push(format!(
+                    "an idle connection held {} user locks",
+                    released.unwrap_or(0)
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The test database of the conformance suite.
+pub(crate) struct MySql;
+
+impl broker_testkit::TestDb for MySql {
+    type B = MySqlBackend;
+    type Job = broker_testkit::Job;
+    type Text = String;
+
+    async fn database() -> String {
+        create_database().await
+    }
+
+    async fn connect(url: &str) -> Broker<MySqlBackend> {
+        connect(url).await
+    }
+
+    async fn key_is_held(broker: &MySqlBroker, key: &str) -> bool {
+        key_is_held(broker, key).await
+    }
+
+    async fn kill_connections(broker: &MySqlBroker) -> Option<usize> {
+        Some(kill_connections(broker).await)
+    }
+
+    async fn leaks(broker: &MySqlBroker) -> Vec<String> {
+        leaks(broker).await
+    }
+
+    async fn drop_database(url: &str) {
+        drop_database(url).await;
+    }
+}

@@ -1,0 +1,683 @@
+//! What only a MySQL-family server shows: user locks as the server sees them (`IS_USED_LOCK`),
+//! open transactions (`INNODB_TRX`), killed connections, lock names over 64 characters, time
+//! columns without fractions, publish ids without `RETURNING`, and the startup checks. Each test
+//! has a database, tables and brokers of its own (see `common`); every wait is bounded.
+
+mod common;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use broker_core::{
+    Broker, ClaimMode, ColumnType, Delivery, NewJob, Outcome, Queue, SqlxBrokerError,
+    SubscribeOptions, TableDescription,
+};
+use broker_mysql::{MySqlBackend, lock_name};
+use broker_testkit::{Fixture, Job, JobText, describe, unique_name, wait_until};
+use common::MySql;
+use sqlx::{AssertSqlSafe, Executor};
+
+type Fx = Fixture<MySql>;
+type Q = Queue<MySqlBackend, Job>;
+
+async fn fixture(
+    mode: ClaimMode,
+    tweak: impl FnOnce(broker_core::TableBuilder) -> broker_core::TableBuilder,
+) -> Fx {
+    Fixture::<MySql>::new(mode, tweak)
+        .await
+        .expect("MySQL and MariaDB offer every mode")
+}
+
+async fn claim_one(q: &Q) -> Delivery<MySqlBackend, Job> {
+    let start = Instant::now();
+    loop {
+        if let Some(d) = q.claim(1).await.expect("claim").pop() {
+            return d;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no row came within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits (up to 5 s) until none of `keys` is held by any session and the broker's sessions sit
+/// in no open transaction; connections go back to the pool in tasks of their own.
+async fn assert_nothing_held(fx: &Fx, keys: &[String], when: &str) {
+    let start = Instant::now();
+    loop {
+        let mut held = Vec::new();
+        for key in keys {
+            if common::key_is_held(&fx.broker, key).await {
+                held.push(key.clone());
+            }
+        }
+        let open = common::open_transactions(&fx.broker).await;
+        if held.is_empty() && open == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{when}: keys still held {held:?}, {open} open transactions"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
+    let q = fx.queue().await;
+    let jobs: Vec<_> = (0..8)
+        .map(|i| {
+            let job = fx.job(i);
+            if fx.table.group().is_some() {
+                job.group(format!("g{}", i % 2))
+            } else {
+                job
+            }
+        })
+        .collect();
+    q.publish_batch(&jobs).await.unwrap();
+    // IS_USED_LOCK(<lock name of key-k{i}>) for every key of the test.
+    let keys: Vec<String> = (0..8).map(|i| format!("key-k{i}")).collect();
+    let first = claim_one(&q).await;
+    let second = claim_one(&q).await;
+    if fx.table.mode() == ClaimMode::Advisory {
+        for d in [&first, &second] {
+            assert!(common::key_is_held(&fx.broker, d.key().unwrap()).await);
+        }
+    }
+    first.ack().await.unwrap();
+    second.retry().await.unwrap();
+    assert_nothing_held(&fx, &keys, "after settlement").await;
+
+    let sub = q.subscribe(
+        SubscribeOptions::new()
+            .concurrency(3)
+            .poll_interval(Duration::from_millis(50)),
+        |_job| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(Outcome::Ack)
+            })
+        },
+    );
+    wait_until("every row acked", Duration::from_secs(20), || {
+        let q = q.clone();
+        async move { q.metrics().acked == 8 }
+    })
+    .await;
+    sub.shutdown().await;
+    assert_nothing_held(&fx, &keys, "after shutdown").await;
+    let leaks = common::leaks(&fx.broker).await;
+    assert!(leaks.is_empty(), "{leaks:?}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
+    let fx = fixture(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
+    settlement_and_shutdown_leave_nothing_held(fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
+    settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Lease, |b| b).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn advisory_settlement_and_shutdown_free_every_key() {
+    settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Advisory, |b| b).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn advisory_fifo_settlement_and_shutdown_free_every_key() {
+    let fx = fixture(ClaimMode::Advisory, |b| b.group("grp").fifo(true)).await;
+    settlement_and_shutdown_leave_nothing_held(fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_a_row_lock_deliverys_connection_returns_the_row_at_once_without_an_attempt() {
+    let mut fx = fixture(ClaimMode::RowLock, |b| b).await;
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let id = fx.publish(&q, 1).await[0];
+    let mut d = claim_one(&q).await;
+    let connection: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut **d.transaction().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        other.claim(1).await.unwrap().is_empty(),
+        "the open transaction holds the row"
+    );
+    let mut admin = common::admin().await;
+    admin
+        .execute(AssertSqlSafe(format!("KILL CONNECTION {connection}")))
+        .await
+        .unwrap();
+    let killed = Instant::now();
+    let again = loop {
+        if let Some(d) = other.claim(1).await.unwrap().pop() {
+            break d;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "the killed transaction's row came back at once"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(again.id(), id);
+    assert_eq!(again.attempt(), 1, "the rollback used no attempt");
+    assert_eq!(q.row_state(id).await.unwrap().unwrap().attempt, 1);
+    let err = d.ack().await.unwrap_err();
+    assert!(
+        matches!(err, SqlxBrokerError::Statement { .. }),
+        "the dead connection's ack fails: {err:?}"
+    );
+    again.ack().await.unwrap();
+    assert!(q.row_state(id).await.unwrap().is_none());
+    let _ = sqlx::Connection::close(admin).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_longer_than_64_characters_locks_and_unlocks_by_its_hash() {
+    let fx = fixture(ClaimMode::Advisory, |b| b).await;
+    let q = fx.queue().await;
+    let long = "é".repeat(70);
+    q.publish(NewJob::new("long".to_owned()).column("k", long.clone()))
+        .await
+        .unwrap();
+    let key = format!("key-{long}");
+    let db = sqlx::query_scalar::<_, String>("SELECT DATABASE()")
+        .fetch_one(fx.broker.pool())
+        .await
+        .unwrap();
+    let hashed = lock_name(&db, &key);
+    assert_eq!(hashed.len(), 64, "{hashed}");
+    assert_eq!(
+        fx.broker.backend().lock_name(&key).as_deref(),
+        Some(hashed.as_str())
+    );
+    let used = |name: String| {
+        let pool = fx.broker.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, Option<i64>>("SELECT CAST(IS_USED_LOCK(?) AS SIGNED)")
+                .bind(name)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+    let d = claim_one(&q).await;
+    assert_eq!(d.key(), Some(key.as_str()));
+    assert!(used(hashed.clone()).await, "the key is held under its hash");
+    let raw = format!("{db}:{key}");
+    assert!(raw.chars().count() > 64);
+    if raw.len() <= 192 {
+        assert!(!used(raw).await, "not under the raw name");
+    }
+    d.ack().await.unwrap();
+    wait_until("the hashed key to be free", Duration::from_secs(5), || {
+        let held = used(hashed.clone());
+        async move { !held.await }
+    })
+    .await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_on_datetime_columns_without_fractions_still_fences() {
+    let url = common::create_database().await;
+    let broker = common::connect(&url).await;
+    let name = unique_name("lsec");
+    broker
+        .pool()
+        .execute(AssertSqlSafe(format!(
+            "CREATE TABLE `{name}` (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             payload LONGTEXT NULL, attempt INT NOT NULL DEFAULT 1, \
+             locked_until DATETIME NULL, due_at DATETIME NULL) ENGINE=InnoDB"
+        )))
+        .await
+        .unwrap();
+    let table = describe(&name, ClaimMode::Lease)
+        .lease_seconds(1)
+        .build()
+        .unwrap();
+    let q = broker.queue::<Job>(table).await.unwrap();
+    let id = q.publish(NewJob::new("job".to_owned())).await.unwrap();
+    let mut stale = claim_one(&q).await;
+    let state = q.row_state(id).await.unwrap().unwrap();
+    assert_eq!(
+        state.locked_until_ms,
+        stale.lease_expires_ms(),
+        "a whole-second expiry is stored exactly"
+    );
+    assert_eq!(state.locked_until_ms.unwrap() % 1000, 0);
+    // Renewal is fenced on the stored expiry too.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    stale.renew().await.expect("the renewal finds its token");
+    let fresh = claim_one(&q).await; // waits for the renewed lease to run out
+    assert_eq!((fresh.id(), fresh.attempt()), (id, 2));
+    let before = q.row_state(id).await.unwrap().unwrap();
+    let err = stale.ack().await.unwrap_err();
+    assert!(
+        matches!(err, SqlxBrokerError::LeaseLost { id: lost, .. } if lost == id),
+        "{err:?}"
+    );
+    assert_eq!(
+        q.row_state(id).await.unwrap().unwrap(),
+        before,
+        "nothing changed"
+    );
+    fresh.ack().await.unwrap();
+    assert!(q.row_state(id).await.unwrap().is_none());
+    broker.close().await;
+    common::drop_database(&url).await;
+}
+
+async fn publish_as_mysql_would(autoinc_lock_mode: i64) {
+    let url = common::create_database().await;
+    let plain = common::connect(&url).await;
+    let backend = plain
+        .backend()
+        .clone()
+        .publish_like_mysql(autoinc_lock_mode);
+    let broker = Broker::new(backend);
+    let table = TableDescription::builder(unique_name("ids"))
+        .payload("payload", ColumnType::Text)
+        .priority("prio")
+        .build()
+        .unwrap();
+    broker.create_tables(&table).await.unwrap();
+    let q = broker.queue::<Job>(table.clone()).await.unwrap();
+    // A concurrent publisher interleaves its rows with ours.
+    let noise = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            for i in 0..20 {
+                q.publish(NewJob::new(format!("noise-{i}"))).await.unwrap();
+            }
+        })
+    };
+    for round in 0..5 {
+        let jobs: Vec<_> = (0..7)
+            .map(|i| NewJob::new(format!("r{round}-{i}")).priority(i))
+            .collect();
+        let ids = q.publish_batch(&jobs).await.unwrap();
+        assert_eq!(ids.len(), 7);
+        for (i, id) in ids.iter().enumerate() {
+            let payload: String = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT payload FROM `{}` WHERE id = ?",
+                table.name()
+            )))
+            .bind(id)
+            .fetch_one(broker.pool())
+            .await
+            .unwrap();
+            assert_eq!(payload, format!("r{round}-{i}"), "id {id}");
+        }
+    }
+    noise.await.unwrap();
+    broker.drop_tables(&table).await.unwrap();
+    broker.close().await;
+    common::drop_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_ids_are_right_when_published_one_row_per_statement_as_on_mysql_8() {
+    publish_as_mysql_would(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_ids_are_right_when_taken_from_last_insert_id_as_on_consecutive_mysql() {
+    publish_as_mysql_would(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_scheduled_after_2038_stays_scheduled() {
+    let fx = fixture(ClaimMode::Lease, |b| b).await;
+    let q = fx.queue().await;
+    // 2040-01-01T00:00:00.250Z: FROM_UNIXTIME gives NULL there on MariaDB before 11.5.
+    let at = SystemTime::UNIX_EPOCH + Duration::from_millis(2_208_988_800_250);
+    let id = q
+        .publish(NewJob::new("later".to_owned()).run_at(at))
+        .await
+        .unwrap();
+    assert_eq!(
+        q.row_state(id).await.unwrap().unwrap().due_ms,
+        Some(2_208_988_800_250)
+    );
+    assert!(q.claim(1).await.unwrap().is_empty(), "not due before 2040");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_of_a_priority_table_do_not_lock_rows_they_do_not_take() {
+    // With the claim index, a held row lock claim locks one row; a filesort would have locked
+    // every row it scanned, and the second broker would get nothing.
+    let mut fx = fixture(ClaimMode::RowLock, |b| {
+        b.priority("prio").processed_at("done_at")
+    })
+    .await;
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let jobs: Vec<_> = (0..40)
+        .map(|i| fx.job(i).priority(i64::try_from(i % 5).unwrap()))
+        .collect();
+    q.publish_batch(&jobs).await.unwrap();
+    let first = claim_one(&q).await;
+    let mut held = vec![first];
+    for _ in 0..5 {
+        let got = other.claim(1).await.unwrap();
+        assert_eq!(got.len(), 1, "another broker claims while rows are held");
+        held.extend(got);
+    }
+    let mut ids: Vec<i64> = held.iter().map(|d| d.id()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 6);
+    for d in held {
+        d.ack().await.unwrap();
+    }
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timestamp_column_needs_utc_sessions() {
+    let url = common::create_database().await;
+    let name = unique_name("tz");
+    let utc = common::connect(&url).await;
+    utc.pool()
+        .execute(AssertSqlSafe(format!(
+            "CREATE TABLE `{name}` (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             payload LONGTEXT NULL, attempt INT NOT NULL DEFAULT 1, \
+             locked_until TIMESTAMP NULL, due_at DATETIME(6) NULL) ENGINE=InnoDB"
+        )))
+        .await
+        .unwrap();
+    let table = describe(&name, ClaimMode::Lease).build().unwrap();
+    utc.queue::<Job>(table.clone())
+        .await
+        .expect("a TIMESTAMP column on UTC sessions");
+    let options = MySqlBackend::connect_options(&url)
+        .unwrap()
+        .timezone(Some("+02:00".to_owned()));
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let shifted = Broker::new(MySqlBackend::new(pool));
+    let err = shifted.queue::<Job>(table).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, SqlxBrokerError::Schema { .. }), "{err:?}");
+    assert!(
+        msg.contains("\"locked_until\"") && msg.contains("TIMESTAMP") && msg.contains("UTC"),
+        "{msg}"
+    );
+    // DATETIME columns do not depend on the session's zone.
+    let plain = describe(&name, ClaimMode::RowLock).build().unwrap();
+    shifted
+        .queue::<Job>(plain)
+        .await
+        .expect("DATETIME columns only");
+    shifted.close().await;
+    utc.close().await;
+    common::drop_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fifo_table_without_a_group_index_is_refused_naming_it() {
+    let url = common::create_database().await;
+    let broker = common::connect(&url).await;
+    let name = unique_name("noidx");
+    broker
+        .pool()
+        .execute(AssertSqlSafe(format!(
+            "CREATE TABLE `{name}` (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             payload LONGTEXT NULL, attempt INT NOT NULL DEFAULT 1, \
+             grp VARCHAR(255) NULL, due_at DATETIME(6) NULL) ENGINE=InnoDB"
+        )))
+        .await
+        .unwrap();
+    let table = describe(&name, ClaimMode::RowLock)
+        .group("grp")
+        .fifo(true)
+        .build()
+        .unwrap();
+    let err = broker.queue::<Job>(table.clone()).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&name) && msg.contains("index") && msg.contains("\"grp\""),
+        "{msg}"
+    );
+    broker
+        .pool()
+        .execute(AssertSqlSafe(format!("CREATE INDEX g ON `{name}` (grp)")))
+        .await
+        .unwrap();
+    broker
+        .queue::<Job>(table)
+        .await
+        .expect("with an index on the group");
+    broker.close().await;
+    common::drop_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_time_column_of_the_wrong_type_is_refused_naming_it() {
+    let url = common::create_database().await;
+    let broker = common::connect(&url).await;
+    let name = unique_name("ty");
+    broker
+        .pool()
+        .execute(AssertSqlSafe(format!(
+            "CREATE TABLE `{name}` (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             payload LONGTEXT NULL, attempt VARCHAR(10) NOT NULL DEFAULT '1', \
+             locked_until BIGINT NULL, due_at DATETIME(6) NULL) ENGINE=InnoDB"
+        )))
+        .await
+        .unwrap();
+    let table = describe(&name, ClaimMode::Lease).build().unwrap();
+    let msg = broker.queue::<Job>(table).await.unwrap_err().to_string();
+    assert!(
+        msg.contains("\"attempt\"") && msg.contains("integer"),
+        "{msg}"
+    );
+    broker
+        .pool()
+        .execute(AssertSqlSafe(format!(
+            "ALTER TABLE `{name}` MODIFY attempt INT NOT NULL DEFAULT 1"
+        )))
+        .await
+        .unwrap();
+    let table = describe(&name, ClaimMode::Lease).build().unwrap();
+    let msg = broker.queue::<Job>(table).await.unwrap_err().to_string();
+    assert!(
+        msg.contains("\"locked_until\"") && msg.contains("DATETIME"),
+        "{msg}"
+    );
+    broker.close().await;
+    common::drop_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_rolls_back_the_handlers_writes_but_keeps_the_row_locked() {
+    let mut fx = fixture(ClaimMode::RowLock, |b| {
+        b.max_attempts(5)
+            .dead_letter(broker_core::DeadLetter::Column("dead_at".into()))
+    })
+    .await;
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let id = fx.publish(&q, 1).await[0];
+    let mut d = claim_one(&q).await;
+    let tx = d.transaction().unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE `{}` SET payload = 'changed by the handler' WHERE id = ?",
+        fx.table.name()
+    )))
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .unwrap();
+    assert!(other.claim(1).await.unwrap().is_empty());
+    d.retry().await.unwrap();
+    let again = claim_one(&other).await;
+    assert_eq!(again.attempt(), 2);
+    assert_eq!(
+        again.payload().text(),
+        "job-0",
+        "the handler's write was rolled back"
+    );
+    again.dead_letter().await.unwrap();
+    let state = q.row_state(id).await.unwrap().unwrap();
+    assert!(state.dead);
+    assert_eq!(state.attempt, 3, "the dead letter counted its attempt");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_a_key_connection_frees_the_key_and_the_stale_delivery_cannot_settle() {
+    let mut fx = fixture(ClaimMode::Advisory, |b| b).await;
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let id = fx.publish(&q, 1).await[0];
+    let stale = claim_one(&q).await;
+    let name = fx.broker.backend().lock_name("key-k0").unwrap();
+    // IS_USED_LOCK names the session that holds the key: the delivery's own connection.
+    let holder: u64 = sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
+        .bind(&name)
+        .fetch_one(fx.broker.pool())
+        .await
+        .unwrap();
+    assert!(
+        other.claim(1).await.unwrap().is_empty(),
+        "the key holds the row"
+    );
+    let mut admin = common::admin().await;
+    admin
+        .execute(AssertSqlSafe(format!("KILL CONNECTION {holder}")))
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let fresh = loop {
+        if let Some(d) = other.claim(1).await.unwrap().pop() {
+            break d;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the key was freed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(
+        (fresh.id(), fresh.attempt()),
+        (id, 2),
+        "the take counted one more"
+    );
+    let err = stale.ack().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SqlxBrokerError::Statement { .. } | SqlxBrokerError::ClaimLost { .. }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        q.row_state(id).await.unwrap().is_some(),
+        "the stale ack changed nothing"
+    );
+    fresh.ack().await.unwrap();
+    assert!(q.row_state(id).await.unwrap().is_none());
+    let _ = sqlx::Connection::close(admin).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_advisory_settlement_is_fenced_on_the_attempt_its_take_wrote() {
+    let fx = fixture(ClaimMode::Advisory, |b| b.processed_at("done_at")).await;
+    let q = fx.queue().await;
+    let id = fx.publish(&q, 1).await[0];
+    let d = claim_one(&q).await;
+    // Stand-in for a take by another session after this delivery's key went away.
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE `{}` SET attempt = attempt + 1 WHERE id = ?",
+        fx.table.name()
+    )))
+    .bind(id)
+    .execute(fx.broker.pool())
+    .await
+    .unwrap();
+    let err = d.ack().await.unwrap_err();
+    assert!(
+        matches!(err, SqlxBrokerError::ClaimLost { id: lost, .. } if lost == id),
+        "{err:?}"
+    );
+    let state = q.row_state(id).await.unwrap().unwrap();
+    assert!(!state.processed, "the fenced ack changed nothing");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_lock_dropped_without_unlock_closes_its_connection_and_frees_the_key() {
+    use broker_core::Backend;
+    use broker_core::strategy::{AdvisoryStrategy, Prepared};
+    let fx = fixture(ClaimMode::Advisory, |b| b).await;
+    let table = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Advisory(s) = fx.broker.backend().prepare(&table).await.unwrap() else {
+        panic!("an advisory table prepares as advisory");
+    };
+    let lock = s
+        .try_lock("key-dropped")
+        .await
+        .unwrap()
+        .expect("a free key");
+    let holder: u64 = sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
+        .bind(lock.name())
+        .fetch_one(fx.broker.pool())
+        .await
+        .unwrap();
+    assert!(
+        s.try_lock("key-dropped").await.unwrap().is_none(),
+        "held once"
+    );
+    drop(lock);
+    wait_until("the key to be free", Duration::from_secs(5), || {
+        let broker = fx.broker.clone();
+        async move { !common::key_is_held(&broker, "key-dropped").await }
+    })
+    .await;
+    let mut admin = common::admin().await;
+    let alive: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?")
+            .bind(holder)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
+    assert_eq!(
+        alive, 0,
+        "the lock's connection was closed, not returned to the pool"
+    );
+    // An unlocked key's connection goes back to the pool instead.
+    let lock = s.try_lock("key-unlocked").await.unwrap().unwrap();
+    let holder: u64 = sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
+        .bind(lock.name())
+        .fetch_one(fx.broker.pool())
+        .await
+        .unwrap();
+    s.unlock(lock).await.unwrap();
+    assert!(!common::key_is_held(&fx.broker, "key-unlocked").await);
+    let alive: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?")
+            .bind(holder)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
+    assert_eq!(alive, 1, "an unlocked key's connection is kept");
+    let _ = sqlx::Connection::close(admin).await;
+    fx.cleanup().await;
+}
