@@ -1,1 +1,100 @@
-//! Placeholder: this backend arrives with its own issue.
+//! The PostgreSQL backend of sqlx-broker: a task queue in the application's own PostgreSQL
+//! tables (PostgreSQL 11 or newer).
+//!
+//! All three claim modes are offered; the table description chooses one (see
+//! [`broker_core::ClaimMode`]).
+//!
+//! | mode | claim | what gives a row back when the process dies | attempt counted |
+//! |---|---|---|---|
+//! | row lock (no mode set) | a transaction selects one row `FOR UPDATE SKIP LOCKED` and stays open while the handler runs | the server rolls the transaction back; the row is due again at once | at settlement (a crash uses none) |
+//! | lease (`locked_until`) | one statement: a CTE locks claimable rows `FOR UPDATE SKIP LOCKED`, an `UPDATE` writes the expiry and counts the attempt, `RETURNING` hands them back | the lease runs out (30 s unless set) | at the claim |
+//! | advisory (`advisory_lock = ".."`) | due rows with their keys (keys held anywhere left out), then `pg_try_advisory_lock(hashtextextended(key, 0))` on a connection of its own, then the row if still claimable | the session ends and the server frees the key | at the take |
+//!
+//! ```no_run
+//! use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
+//! use broker_postgres::PgBackend;
+//!
+//! # async fn run() -> broker_core::Result<()> {
+//! let broker = PgBackend::connect("postgres://app@localhost/app").await?;
+//! let table = TableDescription::builder("jobs")
+//!     .payload("payload", ColumnType::Text)
+//!     .locked_until("locked_until")
+//!     .due_at("due_at")
+//!     .build()?;
+//! broker.create_tables(&table).await?;
+//! let queue = broker.queue::<Payload<String>>(table).await?;
+//! queue.publish(NewJob::new("hello".to_owned())).await?;
+//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), |job| {
+//!     Box::pin(async move {
+//!         println!("{}", job.payload().0);
+//!         Ok(Outcome::Ack)
+//!     })
+//! });
+//! sub.shutdown().await;
+//! broker.close().await;
+//! # Ok(()) }
+//! ```
+//!
+//! # Things to know
+//! - **Row lock holds a transaction, and a connection, per delivery in work.** An open
+//!   transaction pins the xmin horizon: while it runs, vacuum cannot remove rows that died after
+//!   it began, in any table, so long handlers bloat busy tables. Prefer lease mode for handlers
+//!   that run longer than a few seconds. Size the pool above the subscription's concurrency.
+//! - **Row lock writes commit with the ack.** A handler may write through
+//!   [`Delivery::transaction`](broker_core::Delivery::transaction); a retry or dead letter rolls
+//!   those writes back (to a savepoint taken right after the claim) and keeps the row locked
+//!   while it counts the attempt.
+//! - **Advisory mode and `LISTEN` need the session**: connect directly or through a
+//!   session-mode pooler. Behind a transaction-mode pooler (PgBouncer
+//!   `pool_mode = transaction`) a session advisory lock and the statements after it may reach
+//!   different server connections; preparing an advisory table checks that two statements reach
+//!   one backend and refuses the table otherwise, and wake-ups fall back to polling. Row lock and
+//!   lease work through any pooler.
+//! - **Advisory keys belong to the database**, not the table: two tables (or two services) with
+//!   the same key wait on each other. Keys are 64-bit hashes (`hashtextextended`); two keys with
+//!   the same hash share a lock. Each delivery in work holds a pool connection, and its
+//!   settlement is fenced on the attempt its take wrote: if the key's session died under the
+//!   handler and the row was claimed again, the settlement changes nothing and returns
+//!   [`SqlxBrokerError::ClaimLost`](broker_core::SqlxBrokerError).
+//! - **Pool size**: [`PgBackend::connect`] opens up to 16 connections; with your own pool
+//!   ([`PgBackend::new`]) allow the subscriptions' concurrency (row lock and advisory hold one
+//!   connection per delivery in work), two claims, and one `LISTEN` connection per subscription.
+//! - **Lease reads the host's clock**: the host computes expiries (whole seconds) and due times,
+//!   and settlements compare them, so keep the hosts' clocks in sync (NTP).
+//! - **Times are `TIMESTAMPTZ`**; the host's unix milliseconds are converted in SQL, and the
+//!   startup check refuses a time column of another type.
+//! - **Migrations**: claims name the table's columns as they were at subscribe time (a prepared
+//!   `SELECT *` would fail with "cached plan must not change result type" on every connection
+//!   once a column is added), so adding a column does not disturb running subscriptions; handlers
+//!   see it after the next subscribe. A dead-letter table needs the queue table's columns (the DDL
+//!   helper makes it so); add a new column to both.
+//! - **Wake-ups**: a publish notifies the table's channel (`sqlx_broker_` and a hash of the
+//!   table name) in the inserting statement, so other processes' subscriptions wake when it
+//!   commits. Notifications can be lost; the poll interval is the fallback.
+//! - **FIFO**: a claim takes only the head of each group, under a transaction-level advisory
+//!   lock on the hash of table and group, so brokers on different hosts keep a group's order. A
+//!   head that keeps failing blocks its group until `max_attempts` dead-letters it. Ids come from
+//!   an identity column; rows published in concurrent transactions that commit out of id order
+//!   can be claimed in commit order.
+//! - **Transient errors** (serialization failure, deadlock, lock not available; see
+//!   [`classify`]) make a claim or a single-statement settlement run again a few times before
+//!   the error surfaces.
+//! - The table's `isolation` applies to row lock claim transactions.
+//! - A payload column of type `JSONB` takes `sqlx::types::Json<T>` (or `serde_json::Value`
+//!   with sqlx's `json` feature) as the published payload, not a `String`.
+
+mod advisory;
+mod backend;
+mod fifo;
+mod lease;
+mod notify;
+mod row_lock;
+mod schema;
+mod sql;
+mod version;
+
+pub use advisory::{KeyLock, PgAdvisory};
+pub use backend::{PgBackend, PgBroker};
+pub use lease::PgLease;
+pub use row_lock::PgRowLock;
+pub use sql::{ErrorClass, classify};

@@ -1,0 +1,357 @@
+//! The PostgreSQL backend: connection, preparation, publish, and row inspection.
+
+use std::sync::Arc;
+
+use broker_core::strategy::{ClaimedRow, Prepared, PublishPlan, alias};
+use broker_core::{
+    Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Result, RowState,
+    SqlxBrokerError, TableDescription, Value,
+};
+use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, Row};
+
+use crate::advisory::PgAdvisory;
+use crate::lease::PgLease;
+use crate::row_lock::PgRowLock;
+use crate::sql::{ident, ms, ts};
+use crate::{notify, schema, version};
+
+/// A broker on PostgreSQL.
+pub type PgBroker = Broker<PgBackend>;
+
+/// The PostgreSQL backend: row lock, lease and advisory modes, with `LISTEN/NOTIFY` wake-ups
+/// across processes.
+#[derive(Debug, Clone)]
+pub struct PgBackend {
+    pool: PgPool,
+}
+
+impl PgBackend {
+    /// A backend on an existing pool. Size the pool above the concurrency of its subscriptions:
+    /// row lock and advisory deliveries each hold a connection while in work, and each
+    /// subscription listens on one.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Opens a pool of up to 16 connections on `url` (e.g.
+    /// `postgres://app@localhost/app?application_name=worker`) and returns a broker on it.
+    pub async fn connect(url: &str) -> Result<PgBroker> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(url)
+            .await
+            .map_err(|e| SqlxBrokerError::Statement {
+                table: String::new(),
+                name: "connect",
+                source: e,
+            })?;
+        Ok(Broker::new(Self::new(pool)))
+    }
+}
+
+/// attempt, locked_until, due_at, processed, dead.
+type StateRow = (i64, Option<i64>, Option<i64>, bool, bool);
+
+/// Reads the broker's columns of a claimed row.
+pub(crate) fn claimed(
+    row: PgRow,
+    key: Option<String>,
+) -> Result<ClaimedRow<Postgres>, sqlx::Error> {
+    Ok(ClaimedRow {
+        id: row.try_get(alias::ID)?,
+        attempt: row.try_get(alias::ATTEMPT)?,
+        key,
+        row,
+    })
+}
+
+async fn acquire(pool: &PgPool, table: &str) -> Result<sqlx::pool::PoolConnection<Postgres>> {
+    pool.acquire()
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
+}
+
+/// How a published value reaches its column: every placeholder is cast, so the statement's
+/// types never depend on the bound values (NULL included).
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    /// Text (the group).
+    Text,
+    /// An integer (the priority).
+    Int,
+    /// A host time in unix ms (the due time).
+    Time,
+    /// A declared column: bound as text and cast to its type.
+    Declared(&'static str),
+}
+
+impl Slot {
+    fn sql(self, n: usize) -> String {
+        match self {
+            Self::Text => format!("${n}::text"),
+            Self::Int => format!("${n}::int8"),
+            Self::Time => ts(&format!("${n}")),
+            Self::Declared(ty) => format!("CAST(${n}::text AS {ty})"),
+        }
+    }
+}
+
+fn as_text(v: Value) -> Option<String> {
+    match v {
+        Value::Null => None,
+        Value::Text(s) => Some(s),
+        Value::BigInt(i) => Some(i.to_string()),
+    }
+}
+
+fn as_int(v: Value) -> Option<i64> {
+    match v {
+        Value::Null => None,
+        Value::Text(s) => s.trim().parse().ok(),
+        Value::BigInt(i) => Some(i),
+    }
+}
+
+/// The slot of each column of a publish plan after the payload.
+fn slots(table: &TableDescription, plan: &PublishPlan) -> Vec<Slot> {
+    plan.columns()[1..]
+        .iter()
+        .map(|c| {
+            if Some(c.as_str()) == table.group() {
+                Slot::Text
+            } else if Some(c.as_str()) == table.priority() {
+                Slot::Int
+            } else if Some(c.as_str()) == table.due_at() {
+                Slot::Time
+            } else {
+                let ty = table
+                    .columns()
+                    .iter()
+                    .find(|(d, _)| d == c)
+                    .map_or(ColumnType::Text, |(_, ty)| *ty);
+                Slot::Declared(schema::column_type(ty))
+            }
+        })
+        .collect()
+}
+
+async fn publish_chunk<P>(
+    conn: &mut PgConnection,
+    table: &TableDescription,
+    plan: &PublishPlan,
+    slots: &[Slot],
+    channel: &str,
+    jobs: &[NewJob<P>],
+) -> Result<Vec<i64>, sqlx::Error>
+where
+    P: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + Sync,
+{
+    // $1 is the channel; each row's values follow, payload first.
+    let mut n = 1;
+    let rows: Vec<String> = jobs
+        .iter()
+        .map(|_| {
+            n += 1;
+            let mut row = vec![format!("${n}")];
+            for slot in slots {
+                n += 1;
+                row.push(slot.sql(n));
+            }
+            format!("({})", row.join(", "))
+        })
+        .collect();
+    let id = ident(table.id());
+    // The notification rides in the statement that inserts: PostgreSQL sends it when the
+    // insert's transaction commits, and never when it rolls back.
+    let sql = format!(
+        "WITH sqlx_broker_ins AS (INSERT INTO {t} ({cols}) VALUES {rows} RETURNING {id}), \
+         sqlx_broker_wake AS (SELECT pg_notify($1::text, '')) \
+         SELECT sqlx_broker_ins.{id}::int8 FROM sqlx_broker_ins CROSS JOIN sqlx_broker_wake ORDER BY 1",
+        t = ident(table.name()),
+        cols = plan
+            .columns()
+            .iter()
+            .map(|c| ident(c))
+            .collect::<Vec<_>>()
+            .join(", "),
+        rows = rows.join(", "),
+    );
+    let mut q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).bind(channel);
+    for job in jobs {
+        q = q.bind(job.payload());
+        for (value, slot) in plan.values(job).into_iter().zip(slots) {
+            q = match slot {
+                Slot::Text | Slot::Declared(_) => q.bind(as_text(value)),
+                Slot::Int | Slot::Time => q.bind(as_int(value)),
+            };
+        }
+    }
+    q.fetch_all(&mut *conn).await
+}
+
+impl Backend for PgBackend {
+    type Db = Postgres;
+    type RowLock = PgRowLock;
+    type Lease = PgLease;
+    type Advisory = PgAdvisory;
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = Capabilities::default_for("PostgreSQL");
+        caps.row_lock = true;
+        caps.process_local_keys = false;
+        caps.cross_process_wakeups = true;
+        caps
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
+        let mut conn = acquire(&self.pool, table.name()).await?;
+        let (num, text): (String, String) = sqlx::query_as(
+            "SELECT current_setting('server_version_num'), current_setting('server_version')",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
+        version::check(&num, &text)?;
+        let columns = schema::table_columns(&mut conn, table).await?;
+        let prepared = match table.mode() {
+            ClaimMode::RowLock => {
+                let s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
+                schema::check(&mut conn, table, &s.statements()).await?;
+                Prepared::RowLock(s)
+            }
+            ClaimMode::Lease => {
+                let s = PgLease::new(self.pool.clone(), table.clone(), &columns);
+                schema::check(&mut conn, table, &s.statements()).await?;
+                Prepared::Lease(s)
+            }
+            ClaimMode::Advisory => {
+                let s = PgAdvisory::new(self.pool.clone(), table.clone(), &columns);
+                schema::check(&mut conn, table, &s.statements()).await?;
+                let pinned = notify::session_is_pinned(&mut conn)
+                    .await
+                    .map_err(|e| SqlxBrokerError::statement(table.name(), "session check", e))?;
+                if !pinned {
+                    return Err(SqlxBrokerError::Unsupported {
+                        table: table.name().to_owned(),
+                        message: format!("advisory mode is refused: {}", notify::POOLER_HINT),
+                    });
+                }
+                Prepared::Advisory(s)
+            }
+        };
+        Ok(prepared)
+    }
+
+    async fn publish<'c, P>(
+        &self,
+        conn: &'c mut PgConnection,
+        table: &TableDescription,
+        jobs: &[NewJob<P>],
+    ) -> Result<Vec<i64>>
+    where
+        P: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + Sync,
+    {
+        let plan = PublishPlan::new(table, jobs)?;
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let slots = slots(table, &plan);
+        let channel = notify::channel(table.name());
+        let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
+        // Stay well under PostgreSQL's 65535 bound parameters per statement.
+        let per_statement = (60_000 / plan.width()).clamp(1, 1000);
+        if jobs.len() <= per_statement {
+            return publish_chunk(conn, table, &plan, &slots, &channel, jobs)
+                .await
+                .map_err(err);
+        }
+        // Several statements: one transaction (a savepoint inside the caller's), so the batch
+        // lands whole or not at all.
+        let mut tx = conn.begin().await.map_err(err)?;
+        let mut ids = Vec::with_capacity(jobs.len());
+        for chunk in jobs.chunks(per_statement) {
+            ids.extend(
+                publish_chunk(&mut tx, table, &plan, &slots, &channel, chunk)
+                    .await
+                    .map_err(err)?,
+            );
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(ids)
+    }
+
+    async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {
+        let time = |c: Option<&str>| c.map_or("NULL::int8".to_owned(), |c| ms(&ident(c)));
+        let is_set =
+            |c: Option<&str>| c.map_or("FALSE".to_owned(), |c| format!("{} IS NOT NULL", ident(c)));
+        let dead_col = match table.dead_letter() {
+            Some(DeadLetter::Column(c)) => Some(c.as_str()),
+            _ => None,
+        };
+        let sql = format!(
+            "SELECT {}::int8, {}, {}, {}, {} FROM {} WHERE {} = $1::int8",
+            ident(table.attempt()),
+            time(table.locked_until()),
+            time(table.due_at()),
+            is_set(table.processed_at()),
+            is_set(dead_col),
+            ident(table.name()),
+            ident(table.id()),
+        );
+        let err = |e| SqlxBrokerError::statement(table.name(), "row state", e);
+        let row: Option<StateRow> = sqlx::query_as(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        if let Some((attempt, lu, due, processed, dead)) = row {
+            return Ok(Some(RowState::new(attempt, lu, due, processed, dead)));
+        }
+        if let Some(DeadLetter::Table(d)) = table.dead_letter() {
+            let sql = format!(
+                "SELECT {}::int8 FROM {} WHERE {} = $1::int8",
+                ident(table.attempt()),
+                ident(d),
+                ident(table.id())
+            );
+            let attempt: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?;
+            return Ok(attempt.map(|a| RowState::new(a, None, None, false, true)));
+        }
+        Ok(None)
+    }
+
+    fn ddl(&self, table: &TableDescription) -> Vec<String> {
+        schema::ddl(table)
+    }
+
+    fn drop_ddl(&self, table: &TableDescription) -> Vec<String> {
+        schema::drop_ddl(table)
+    }
+
+    async fn execute_ddl(&self, statements: &[String]) -> Result<()> {
+        let mut conn = acquire(&self.pool, "").await?;
+        for sql in statements {
+            conn.execute(AssertSqlSafe(sql.clone()))
+                .await
+                .map_err(|e| SqlxBrokerError::statement("", "ddl", e))?;
+        }
+        Ok(())
+    }
+
+    async fn listen(
+        &self,
+        table: &Arc<TableDescription>,
+        wake: Arc<tokio::sync::Notify>,
+    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+        notify::listen(&self.pool, table, wake).await
+    }
+}

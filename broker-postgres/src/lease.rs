@@ -1,0 +1,165 @@
+//! Lease mode on PostgreSQL: one statement claims. A CTE selects the claimable rows
+//! `FOR UPDATE SKIP LOCKED` (-- needs SKIP LOCKED: PostgreSQL 9.5) with a `LIMIT`, an `UPDATE` of
+//! those rows writes the expiry and counts the attempt, and `RETURNING` hands them back; the
+//! statement commits at once. Settlements and renewals are fenced on the token (expiry and
+//! attempt).
+
+use std::sync::Arc;
+
+use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::{Result, TableDescription};
+use sqlx::{PgPool, Postgres};
+
+use crate::fifo;
+use crate::sql::{Failed, Fence, SettleStatements, Statements, ident, query, ts, with_retries};
+
+/// The lease strategy of one PostgreSQL table.
+#[derive(Debug)]
+pub struct PgLease {
+    pool: PgPool,
+    table: Arc<TableDescription>,
+    claim: Arc<str>,
+    /// FIFO tables: the guard prefix the claim binds.
+    guard: Option<String>,
+    renew: Arc<str>,
+    settle: SettleStatements,
+}
+
+impl PgLease {
+    pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
+        let s = Statements::new(&table, columns);
+        let lu = ident(table.locked_until().expect("lease mode has locked_until"));
+        // $1 now, $2 expiry, $3 limit; FIFO: $4 window, $5 guard prefix.
+        let (picked, guard) = match table.group().filter(|_| table.fifo()) {
+            Some(group) => (
+                format!(
+                    "{cand}, sqlx_broker_picked AS (SELECT q.{id} AS id FROM {t} AS q \
+                     WHERE q.{id} IN (SELECT id FROM sqlx_broker_cand) AND {claimable} \
+                     FOR UPDATE OF q SKIP LOCKED)",
+                    cand = fifo::candidates(&s, group, "", "$4::int8", "$3::int8", "$5"),
+                    id = s.id,
+                    t = s.table,
+                    claimable = s.claimable,
+                ),
+                Some(fifo::guard_prefix(&table)),
+            ),
+            None => (
+                format!(
+                    "sqlx_broker_picked AS (SELECT q.{id} AS id FROM {t} AS q WHERE {claimable} \
+                     ORDER BY {order} LIMIT $3::int8 FOR UPDATE OF q SKIP LOCKED)",
+                    id = s.id,
+                    t = s.table,
+                    claimable = s.claimable,
+                    order = s.order,
+                ),
+                None,
+            ),
+        };
+        // The UPDATE's RETURNING sees the counted attempt; the outer select hands the rows back
+        // in claim order.
+        let claim = format!(
+            "WITH {picked}, sqlx_broker_claimed AS (\
+             UPDATE {t} AS q SET {lu} = {expiry}, {a} = q.{a} + 1 FROM sqlx_broker_picked AS p \
+             WHERE q.{id} = p.id RETURNING {columns}) \
+             SELECT * FROM sqlx_broker_claimed ORDER BY {order_out}",
+            t = s.table,
+            expiry = ts("$2"),
+            a = s.attempt,
+            id = s.id,
+            columns = s.claimed_columns(true),
+            order_out = s.order_out,
+        );
+        // $1 new expiry, $2 id, $3 and $4 the token.
+        let renew = format!(
+            "UPDATE {t} AS q SET {lu} = {expiry} WHERE q.{id} = $2::int8 AND q.{lu} = {token} AND q.{a} = $4::int8",
+            t = s.table,
+            expiry = ts("$1"),
+            id = s.id,
+            token = ts("$3"),
+            a = s.attempt,
+        );
+        let fence = format!(" AND q.{lu} = {} AND q.{} = $4::int8", ts("$3"), s.attempt);
+        let settle = s.settle(&table, false, &fence);
+        Self {
+            pool,
+            table,
+            claim: claim.into(),
+            guard,
+            renew: renew.into(),
+            settle,
+        }
+    }
+
+    pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
+        let mut out = vec![("claim", &*self.claim), ("renew", &*self.renew)];
+        out.extend(self.settle.named());
+        out
+    }
+}
+
+impl LeaseStrategy for PgLease {
+    type Db = Postgres;
+
+    /// Claims up to `limit` rows in one statement, in claim order.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a claim cut short may have committed, and its rows then wait for their
+    /// lease to run out.
+    async fn claim(
+        &self,
+        limit: usize,
+        now_ms: i64,
+        expires_ms: i64,
+    ) -> Result<Vec<ClaimedRow<Postgres>>> {
+        let rows = with_retries(|| async {
+            let mut q = query(&self.claim)
+                .bind(now_ms)
+                .bind(expires_ms)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+            if let Some(prefix) = &self.guard {
+                q = q.bind(fifo::window(limit)).bind(prefix.clone());
+            }
+            q.fetch_all(&self.pool).await.map_err(Failed::new("claim"))
+        })
+        .await
+        .map_err(|e| e.on(self.table.name()))?;
+        rows.into_iter()
+            .map(|row| {
+                crate::backend::claimed(row, None)
+                    .map_err(|e| Failed::new("claim")(e).on(self.table.name()))
+            })
+            .collect()
+    }
+
+    /// # Cancel safety
+    /// A cancelled renewal leaves the old or the new expiry; the delivery keeps the old token.
+    async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
+        let done = with_retries(|| async {
+            query(&self.renew)
+                .bind(expires_ms)
+                .bind(id)
+                .bind(token.expires_ms)
+                .bind(token.attempt)
+                .execute(&self.pool)
+                .await
+                .map_err(Failed::new("renew"))
+        })
+        .await
+        .map_err(|e| e.on(self.table.name()))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled settlement may or may not have landed.
+    async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
+        let changed = with_retries(|| async {
+            let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
+            self.settle
+                .run(&mut conn, settle, Fence::Lease(token))
+                .await
+        })
+        .await
+        .map_err(|e| e.on(self.table.name()))?;
+        Ok(changed == 1)
+    }
+}

@@ -1,0 +1,189 @@
+//! Row lock mode: the claim opens a transaction, takes one due row with
+//! `FOR UPDATE SKIP LOCKED` (-- needs SKIP LOCKED: PostgreSQL 9.5), and hands the transaction
+//! out open; the settlement runs in it and commits.
+//!
+//! A savepoint taken right after the claim's select marks where the handler's own writes begin:
+//! a retry or dead letter rolls back to it (undoing those writes, keeping the row lock and the
+//! FIFO guard, which were taken before it), then counts the attempt in the statement that puts
+//! the row back. A crash rolls back everything, the count included, so it uses no attempt.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use broker_core::strategy::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::{IsolationLevel, Result, TableDescription};
+use sqlx::{Executor, PgPool, Postgres, Transaction};
+
+use crate::fifo;
+use crate::sql::{Failed, Fence, SettleStatements, Statements, query};
+
+const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_claim";
+const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_claim";
+
+/// How often a claim that meets a transient error (a serialization failure at REPEATABLE READ or
+/// SERIALIZABLE, a deadlock) opens a new transaction and tries again.
+const CLAIM_TRIES: u32 = 3;
+
+/// The row lock strategy of one PostgreSQL table.
+#[derive(Debug)]
+pub struct PgRowLock {
+    pool: PgPool,
+    table: Arc<TableDescription>,
+    begin: Option<&'static str>,
+    claim: Arc<str>,
+    /// FIFO tables: the guard prefix the claim binds.
+    guard: Option<String>,
+    settle: SettleStatements,
+}
+
+impl PgRowLock {
+    pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
+        let s = Statements::new(&table, columns);
+        let columns = s.claimed_columns(false);
+        let (claim, guard) = match table.group().filter(|_| table.fifo()) {
+            // $1 now, $2 window, $3 guard prefix.
+            Some(group) => (
+                format!(
+                    "WITH {cand} SELECT {columns} FROM {t} AS q \
+                     WHERE q.{id} IN (SELECT id FROM sqlx_broker_cand) AND {claimable} \
+                     FOR UPDATE OF q SKIP LOCKED",
+                    cand = fifo::candidates(&s, group, "", "$2::int8", "1", "$3"),
+                    t = s.table,
+                    id = s.id,
+                    claimable = s.claimable,
+                ),
+                Some(fifo::guard_prefix(&table)),
+            ),
+            // $1 now.
+            None => (
+                format!(
+                    "SELECT {columns} FROM {t} AS q WHERE {claimable} ORDER BY {order} LIMIT 1 \
+                     FOR UPDATE OF q SKIP LOCKED",
+                    t = s.table,
+                    claimable = s.claimable,
+                    order = s.order,
+                ),
+                None,
+            ),
+        };
+        let begin = table.isolation().map(|level| match level {
+            IsolationLevel::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            IsolationLevel::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            IsolationLevel::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        });
+        let settle = s.settle(&table, true, "");
+        Self {
+            pool,
+            table,
+            begin,
+            claim: claim.into(),
+            guard,
+            settle,
+        }
+    }
+
+    pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
+        let mut out = vec![("claim", &*self.claim)];
+        out.extend(self.settle.named());
+        out
+    }
+
+    async fn try_claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
+        let mut tx = match self.begin {
+            Some(sql) => self.pool.begin_with(sql).await,
+            None => self.pool.begin().await,
+        }
+        .map_err(Failed::new("claim begin"))?;
+        let mut q = query(&self.claim).bind(now_ms);
+        if let Some(prefix) = &self.guard {
+            q = q.bind(fifo::window(1)).bind(prefix.clone());
+        }
+        let row = q
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(Failed::new("claim"))?;
+        let Some(row) = row else {
+            tx.rollback().await.map_err(Failed::new("claim rollback"))?;
+            return Ok(None);
+        };
+        tx.execute(SAVEPOINT)
+            .await
+            .map_err(Failed::new("claim savepoint"))?;
+        let claimed = crate::backend::claimed(row, None).map_err(Failed::new("claim"))?;
+        Ok(Some((tx, claimed)))
+    }
+
+    /// Rolls back to the claim's savepoint and runs the retry or dead letter, again after a
+    /// transient error (the savepoint survives its own rollback).
+    async fn put_back(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        settle: Settle,
+    ) -> Result<(), Failed> {
+        let mut tries = 0;
+        loop {
+            tx.execute(ROLLBACK_TO_SAVEPOINT)
+                .await
+                .map_err(Failed::new("rollback to savepoint"))?;
+            match self.settle.run(tx, settle, Fence::None).await {
+                Err(e) if e.is_transient() && tries < CLAIM_TRIES => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
+                }
+                other => return other.map(drop),
+            }
+        }
+    }
+}
+
+impl RowLockStrategy for PgRowLock {
+    type Db = Postgres;
+
+    /// Opens a transaction (at the table's isolation level, if it sets one) and takes one due
+    /// row with `FOR UPDATE SKIP LOCKED`; on a FIFO table only a group head whose guard is free.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a dropped claim may leave its connection mid-statement (sqlx then tests
+    /// the connection before reusing it, and the open transaction rolls back).
+    async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>> {
+        let mut tries = 0;
+        loop {
+            match self.try_claim(now_ms).await {
+                // A failed claim's transaction rolls back as it drops, so trying again is safe.
+                Err(e) if e.is_transient() && tries < CLAIM_TRIES => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
+                }
+                other => return other.map_err(|e| e.on(self.table.name())),
+            }
+        }
+    }
+
+    /// Runs the settlement in the claim's transaction and commits it. A retry or dead letter
+    /// first rolls back to the savepoint after the claim, so the handler's writes through the
+    /// delivery's transaction are undone while the row stays locked; the attempt is counted in
+    /// the statement that puts the row back.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled settlement drops the transaction, which rolls back (the row
+    /// is due again, its attempt not counted).
+    async fn settle(&self, mut tx: Transaction<'static, Postgres>, settle: Settle) -> Result<()> {
+        let name = self.table.name();
+        match settle.action {
+            Action::Ack => {
+                self.settle
+                    .run(&mut tx, settle, Fence::None)
+                    .await
+                    .map_err(|e| e.on(name))?;
+            }
+            Action::Retry { .. } | Action::DeadLetter => {
+                self.put_back(&mut tx, settle)
+                    .await
+                    .map_err(|e| e.on(name))?;
+            }
+        }
+        tx.commit()
+            .await
+            .map_err(|e| Failed::new("commit")(e).on(name))
+    }
+}

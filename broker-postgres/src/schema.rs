@@ -1,0 +1,305 @@
+//! DDL for a description, and the startup checks that the table, its columns and every
+//! statement are in order.
+
+use std::collections::HashMap;
+
+use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
+use sha2::{Digest, Sha256};
+use sqlx::{AssertSqlSafe, Executor, PgConnection, SqlSafeStr};
+
+use crate::sql::ident;
+
+/// The SQL type of a declared column.
+pub(crate) fn column_type(ty: ColumnType) -> &'static str {
+    match ty {
+        ColumnType::Text => "TEXT",
+        ColumnType::BigInt => "BIGINT",
+        ColumnType::Json => "JSONB",
+        ColumnType::Bytes => "BYTEA",
+    }
+}
+
+/// The time columns of a description: all `TIMESTAMPTZ`.
+fn time_columns(t: &TableDescription) -> Vec<(&str, &'static str)> {
+    let mut out: Vec<(&str, &'static str)> = [
+        (t.locked_until(), "locked_until"),
+        (t.due_at(), "due_at"),
+        (t.processed_at(), "processed_at"),
+    ]
+    .into_iter()
+    .filter_map(|(c, role)| c.map(|c| (c, role)))
+    .collect();
+    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+        out.push((c, "dead_letter"));
+    }
+    out
+}
+
+/// The columns of a description as DDL, for the queue table (`identity`) or its dead-letter
+/// table, which keeps the ids it is given.
+fn columns(t: &TableDescription, identity: bool) -> Vec<String> {
+    let mut cols = vec![format!(
+        "{} BIGINT{} PRIMARY KEY",
+        ident(t.id()),
+        // Ids come only from the sequence, so they grow with publish order (FIFO reads it).
+        if identity {
+            " GENERATED ALWAYS AS IDENTITY"
+        } else {
+            ""
+        }
+    )];
+    if let Some((p, ty)) = t.payload() {
+        cols.push(format!("{} {}", ident(p), column_type(ty)));
+    }
+    cols.push(format!("{} INTEGER NOT NULL DEFAULT 1", ident(t.attempt())));
+    for (c, _) in time_columns(t) {
+        cols.push(format!("{} TIMESTAMPTZ", ident(c)));
+    }
+    if let Some(g) = t.group() {
+        cols.push(format!("{} TEXT", ident(g)));
+    }
+    if let Some(p) = t.priority() {
+        cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(p)));
+    }
+    for (c, ty) in t.columns() {
+        cols.push(format!("{} {}", ident(c), column_type(*ty)));
+    }
+    cols
+}
+
+/// An index name for `table`: `{table}_{suffix}`, or a hash of the table name where that would
+/// pass PostgreSQL's 63-byte limit (a truncated name could collide with another index's, and
+/// `CREATE INDEX IF NOT EXISTS` would then skip it without a word).
+fn index_name(table: &str, suffix: &str) -> String {
+    let name = format!("{table}_{suffix}");
+    if name.len() <= 63 {
+        return name;
+    }
+    let digest = Sha256::digest(table.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("sqlx_broker_{hex}_{suffix}")
+}
+
+/// The DDL of a description: the table, the index the claim reads (partial: only unfinished
+/// rows, in claim order), the group index FIFO heads need, and the dead-letter table with the
+/// same columns in the same order (so a row moves with `INSERT .. SELECT *`).
+pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
+    let table = ident(t.name());
+    let mut out = vec![format!(
+        "CREATE TABLE IF NOT EXISTS {table} ({})",
+        columns(t, true).join(", ")
+    )];
+    let mut unfinished = Vec::new();
+    if let Some(c) = t.processed_at() {
+        unfinished.push(format!("{} IS NULL", ident(c)));
+    }
+    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+        unfinished.push(format!("{} IS NULL", ident(c)));
+    }
+    let partial = if unfinished.is_empty() {
+        String::new()
+    } else {
+        format!(" WHERE {}", unfinished.join(" AND "))
+    };
+    let mut claim_cols = Vec::new();
+    if let Some(p) = t.priority() {
+        claim_cols.push(format!("{} DESC", ident(p)));
+    }
+    claim_cols.push(ident(t.id()));
+    out.push(format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
+        ident(&index_name(t.name(), "claim")),
+        claim_cols.join(", ")
+    ));
+    if let Some(g) = t.group() {
+        out.push(format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){partial}",
+            ident(&index_name(t.name(), "group")),
+            ident(g),
+            ident(t.id())
+        ));
+    }
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        out.push(format!(
+            "CREATE TABLE IF NOT EXISTS {} ({})",
+            ident(d),
+            columns(t, false).join(", ")
+        ));
+    }
+    out
+}
+
+/// The DROP statements that undo [`ddl`] (the indexes go with their table).
+pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
+    let mut out = vec![format!("DROP TABLE IF EXISTS {}", ident(t.name()))];
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        out.push(format!("DROP TABLE IF EXISTS {}", ident(d)));
+    }
+    out
+}
+
+/// The table's columns in table order; empty when the table does not exist (the check says so).
+pub(crate) async fn table_columns(
+    conn: &mut PgConnection,
+    t: &TableDescription,
+) -> Result<Vec<String>, SqlxBrokerError> {
+    sqlx::query_scalar(
+        "SELECT a.attname::text FROM pg_attribute AS a \
+         WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
+    )
+    .bind(ident(t.name()))
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| SqlxBrokerError::statement(t.name(), "column list", e))
+}
+
+fn prepare_sql(sql: String) -> sqlx::SqlStr {
+    AssertSqlSafe(sql).into_sql_str()
+}
+
+/// Checks that the table and each named column exist, that the id and attempt columns are
+/// integers and the time columns `TIMESTAMPTZ`, and that every statement prepares.
+pub(crate) async fn check(
+    conn: &mut PgConnection,
+    t: &TableDescription,
+    statements: &[(&'static str, &str)],
+) -> Result<(), SqlxBrokerError> {
+    let table = ident(t.name());
+    let schema = |what: String, statement: &'static str, source| SqlxBrokerError::Schema {
+        table: t.name().to_owned(),
+        what,
+        statement,
+        source,
+    };
+    conn.prepare(prepare_sql(format!("SELECT * FROM {table} LIMIT 0")))
+        .await
+        .map_err(|e| {
+            schema(
+                "the table does not exist or cannot be read; create it (see the DDL helper)".into(),
+                "table check",
+                e,
+            )
+        })?;
+    for (column, role) in t.named_columns() {
+        let probe = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
+        conn.prepare(prepare_sql(probe)).await.map_err(|e| {
+            schema(
+                format!("column \"{column}\" ({role}) is missing; add it or fix the description"),
+                "column check",
+                e,
+            )
+        })?;
+    }
+    let types: HashMap<String, String> = sqlx::query_as(
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute AS a \
+         WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped",
+    )
+    .bind(&table)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| schema("cannot read the table's columns".into(), "column check", e))?
+    .into_iter()
+    .collect();
+    let mismatch = |column: &str, role: &str, declared: &str, wanted: &str| {
+        schema(
+            format!("column \"{column}\" ({role}) is declared {declared}; it must be {wanted}"),
+            "column check",
+            sqlx::Error::TypeNotFound {
+                type_name: declared.to_owned(),
+            },
+        )
+    };
+    for (column, role) in [(t.id(), "id"), (t.attempt(), "attempt")] {
+        if let Some(declared) = types.get(column)
+            && !matches!(declared.as_str(), "smallint" | "integer" | "bigint")
+        {
+            return Err(mismatch(
+                column,
+                role,
+                declared,
+                "an integer column (BIGINT or INTEGER)",
+            ));
+        }
+    }
+    for (column, role) in time_columns(t) {
+        if let Some(declared) = types.get(column)
+            && declared != "timestamp with time zone"
+        {
+            return Err(mismatch(
+                column,
+                role,
+                declared,
+                "TIMESTAMPTZ (times are compared as instants, whatever the session's time zone)",
+            ));
+        }
+    }
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        let probe = format!("SELECT * FROM {} LIMIT 0", ident(d));
+        conn.prepare(prepare_sql(probe)).await.map_err(|e| {
+            schema(
+                format!(
+                    "the dead-letter table \"{d}\" does not exist; create it (see the DDL helper)"
+                ),
+                "dead-letter check",
+                e,
+            )
+        })?;
+    }
+    for (name, sql) in statements {
+        conn.prepare(prepare_sql(sql.to_string()))
+            .await
+            .map_err(|e| {
+                schema(
+                    "a statement does not prepare; check the column types and names".into(),
+                    name,
+                    e,
+                )
+            })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_table_names_get_index_names_that_fit() {
+        assert_eq!(index_name("jobs", "claim"), "jobs_claim");
+        let long = "x".repeat(60);
+        let claim = index_name(&long, "claim");
+        let group = index_name(&long, "group");
+        assert!(claim.len() <= 63 && group.len() <= 63);
+        assert_ne!(claim, group);
+    }
+
+    #[test]
+    fn the_dead_letter_table_has_the_queue_columns_in_order() {
+        let t = TableDescription::builder("jobs")
+            .payload("payload", ColumnType::Json)
+            .locked_until("locked_until")
+            .group("grp")
+            .priority("prio")
+            .column("account", ColumnType::BigInt)
+            .max_attempts(3)
+            .dead_letter(DeadLetter::Table("jobs_dead".into()))
+            .build()
+            .unwrap();
+        let ddl = ddl(&t);
+        let queue = &ddl[0];
+        let dead = ddl.last().unwrap();
+        assert!(queue.contains("GENERATED ALWAYS AS IDENTITY"), "{queue}");
+        assert!(!dead.contains("IDENTITY"), "{dead}");
+        let names = |sql: &str| -> Vec<String> {
+            let inner = &sql[sql.find('(').unwrap() + 1..sql.rfind(')').unwrap()];
+            inner
+                .split(", ")
+                .map(|c| c.split(' ').next().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(names(queue), names(dead));
+        assert!(queue.contains("\"payload\" JSONB"), "{queue}");
+        assert!(queue.contains("\"locked_until\" TIMESTAMPTZ"), "{queue}");
+    }
+}

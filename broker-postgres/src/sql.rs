@@ -1,0 +1,444 @@
+//! Quoting, time conversions, error classes, and the statement fragments every PostgreSQL
+//! strategy shares. Values are always bound, never pasted: only identifiers (quoted) and the
+//! broker's own fragments reach the SQL text.
+//!
+//! Every parameter carries an explicit cast (`$2::int8`). sqlx caches a statement by its text on
+//! each connection; the startup check prepares the statements without arguments, so without the
+//! casts the server would infer types from the columns (an `integer` id, say) and a later
+//! execution binding an `int8` would send the wrong binary width.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
+use sqlx::{AssertSqlSafe, PgConnection};
+
+use crate::fifo;
+
+/// Quotes an identifier in double quotes, a double quote inside doubled.
+pub(crate) fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A host time bound as unix milliseconds (`int8`) as a `TIMESTAMPTZ`. An interval of whole
+/// milliseconds is exact in microseconds, so a lease token written and later compared this way
+/// matches to the bit.
+pub(crate) fn ts(param: &str) -> String {
+    format!("(TIMESTAMPTZ 'epoch' + {param}::int8 * INTERVAL '1 millisecond')")
+}
+
+/// A `TIMESTAMPTZ` expression read back as unix milliseconds.
+pub(crate) fn ms(expr: &str) -> String {
+    format!("(EXTRACT(EPOCH FROM {expr}) * 1000)::int8")
+}
+
+/// How the broker treats a driver error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// Serialization failure (`40001`), deadlock (`40P01`) or lock not available (`55P03`):
+    /// the statement changed nothing and can run again.
+    Transient,
+    /// Anything else.
+    Permanent,
+}
+
+/// Classifies a driver error. The one place this crate maps PostgreSQL error codes: claims and
+/// single-statement settlements run again (a few times, with a short pause) on a transient
+/// error, so a deadlock or serialization failure never surfaces as lost work.
+pub fn classify(err: &sqlx::Error) -> ErrorClass {
+    match err {
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("40001" | "40P01" | "55P03") => ErrorClass::Transient,
+            _ => ErrorClass::Permanent,
+        },
+        _ => ErrorClass::Permanent,
+    }
+}
+
+/// How often a transient error is retried before it surfaces.
+const TRANSIENT_RETRIES: u32 = 3;
+
+/// A statement that failed, by name, before the table is known to the error.
+#[derive(Debug)]
+pub(crate) struct Failed {
+    pub(crate) name: &'static str,
+    pub(crate) source: sqlx::Error,
+}
+
+impl Failed {
+    pub(crate) fn new(name: &'static str) -> impl FnOnce(sqlx::Error) -> Failed {
+        move |source| Failed { name, source }
+    }
+
+    pub(crate) fn is_transient(&self) -> bool {
+        classify(&self.source) == ErrorClass::Transient
+    }
+
+    pub(crate) fn on(self, table: &str) -> SqlxBrokerError {
+        SqlxBrokerError::statement(table, self.name, self.source)
+    }
+}
+
+/// Runs `f` again on a transient error, up to [`TRANSIENT_RETRIES`] times, with a short pause
+/// that grows with each try. Only for work that a failed try leaves unchanged (one statement in
+/// autocommit, or a transaction that rolled back).
+pub(crate) async fn with_retries<T, F, Fut>(mut f: F) -> Result<T, Failed>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Failed>>,
+{
+    let mut tries = 0;
+    loop {
+        match f().await {
+            Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => {
+                tries += 1;
+                tracing::debug!(statement = e.name, error = %e.source, tries, "transient error; running again");
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Runs a statement text (a broker-built statement, never user input) as a query.
+pub(crate) fn query(
+    sql: &Arc<str>,
+) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(AssertSqlSafe(sql.clone()))
+}
+
+/// The statements of one table, built once at subscribe time. Every statement names the queue
+/// table `q`, so the fragments below fit each of them.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub(crate) table: String,
+    pub(crate) id: String,
+    pub(crate) attempt: String,
+    /// `WHERE` conditions of a claimable row `q`; `$1` is the host's now (unix ms).
+    pub(crate) claimable: String,
+    /// `ORDER BY` of a claim, on `q`.
+    pub(crate) order: String,
+    /// The same order on the unqualified columns, for ordering a CTE's output.
+    pub(crate) order_out: String,
+    payload: Option<String>,
+    /// The table's columns, quoted, in table order; empty when unknown (the table check then
+    /// fails before any statement runs).
+    columns: Vec<String>,
+}
+
+impl Statements {
+    /// The statements of `t`, whose columns (as the server lists them, in order) are `columns`.
+    pub(crate) fn new(t: &TableDescription, columns: &[String]) -> Self {
+        let table = ident(t.name());
+        let id = ident(t.id());
+        let attempt = ident(t.attempt());
+        let mut claimable = Vec::new();
+        if let Some(c) = t.processed_at() {
+            claimable.push(format!("q.{} IS NULL", ident(c)));
+        }
+        if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+            claimable.push(format!("q.{} IS NULL", ident(c)));
+        }
+        for c in [t.due_at(), t.locked_until()].into_iter().flatten() {
+            let c = ident(c);
+            claimable.push(format!("(q.{c} IS NULL OR q.{c} <= {})", ts("$1")));
+        }
+        if let Some(head) = fifo::head_condition(t) {
+            claimable.push(head);
+        }
+        if claimable.is_empty() {
+            claimable.push("TRUE".into());
+        }
+        let (order, order_out) = match t.priority() {
+            Some(p) => {
+                let p = ident(p);
+                (format!("q.{p} DESC, q.{id}"), format!("{p} DESC, {id}"))
+            }
+            None => (format!("q.{id}"), id.clone()),
+        };
+        Self {
+            table,
+            id,
+            attempt,
+            claimable: claimable.join(" AND "),
+            order,
+            order_out,
+            payload: t.payload().map(|(p, _)| ident(p)),
+            columns: columns.iter().map(|c| ident(c)).collect(),
+        }
+    }
+
+    /// The row's columns on `alias`, listed by name rather than `alias.*`: a prepared statement
+    /// whose result columns change fails with "cached plan must not change result type" on every
+    /// connection that cached it, so a migration that adds a column would stop every claim until
+    /// the connections were replaced. A list read at subscribe time survives an added column.
+    fn row(&self, alias: &str) -> String {
+        if self.columns.is_empty() {
+            return format!("{alias}.*");
+        }
+        self.columns
+            .iter()
+            .map(|c| format!("{alias}.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// What a claim hands out: the whole row plus the broker's aliases. `counted`: the statement
+    /// has just added one to the attempt, so the attempt before the claim is one less.
+    pub(crate) fn claimed_columns(&self, counted: bool) -> String {
+        let attempt = if counted {
+            format!("(q.{} - 1)::int8", self.attempt)
+        } else {
+            format!("q.{}::int8", self.attempt)
+        };
+        let mut out = format!(
+            "{}, q.{}::int8 AS {}, {attempt} AS {}",
+            self.row("q"),
+            self.id,
+            alias::ID,
+            alias::ATTEMPT
+        );
+        if let Some(p) = &self.payload {
+            out.push_str(&format!(", q.{p} AS {}", alias::PAYLOAD));
+        }
+        out
+    }
+
+    /// The statements of a settlement. `count_attempt`: the settlement counts the attempt (row
+    /// lock). `fence` holds extra conditions that must still hold, on parameters from `$3` (see
+    /// [`Fence`]). Parameters: `$1` id, `$2` the time the statement writes (now, or the due time).
+    pub(crate) fn settle(
+        &self,
+        t: &TableDescription,
+        count_attempt: bool,
+        fence: &str,
+    ) -> SettleStatements {
+        let (table, id, a) = (&self.table, &self.id, &self.attempt);
+        let clear_lease = t.locked_until().map(|c| format!("{} = NULL", ident(c)));
+        // The assignments of an UPDATE; `count`: this one counts the attempt.
+        let sets = |count: bool, write: Option<String>| {
+            let count = count.then(|| format!("{a} = q.{a} + 1"));
+            let sets: Vec<String> = [count, write, clear_lease.clone()]
+                .into_iter()
+                .flatten()
+                .collect();
+            if sets.is_empty() {
+                // Nothing to write: a no-op assignment (not of the id, which may be an identity
+                // column that refuses any value).
+                format!("{a} = q.{a}")
+            } else {
+                sets.join(", ")
+            }
+        };
+        let time = ts("$2");
+        // `$2` is always bound; a statement that writes no time still names it (and checks it,
+        // so a misrouted call changes nothing), as PostgreSQL must know every parameter's type.
+        let ack = match t.processed_at() {
+            Some(c) => format!(
+                "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8{fence}",
+                sets(false, Some(format!("{} = {time}", ident(c))))
+            ),
+            None => {
+                format!(
+                    "DELETE FROM {table} AS q WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL{fence}"
+                )
+            }
+        };
+        let retry = match t.due_at() {
+            Some(c) => format!(
+                "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8{fence}",
+                sets(count_attempt, Some(format!("{} = {time}", ident(c))))
+            ),
+            None => format!(
+                "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8 AND $2::int8 IS NULL{fence}",
+                sets(count_attempt, None)
+            ),
+        };
+        let dead = match t.dead_letter() {
+            Some(DeadLetter::Column(c)) => DeadStatements::Mark(format!(
+                "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8{fence}",
+                sets(count_attempt, Some(format!("{} = {time}", ident(c))))
+            )),
+            Some(DeadLetter::Table(d)) => DeadStatements::Move {
+                // Row lock counts the attempt first: one statement cannot both update the row and
+                // move it.
+                count: count_attempt.then(|| {
+                    format!(
+                        "UPDATE {table} AS q SET {a} = q.{a} + 1 WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL"
+                    )
+                }),
+                // One statement moves the row, so the copy and the delete land together. The
+                // dead-letter table has the same columns (the DDL helper makes it so); they are
+                // named, so a column added to the queue table later does not break the move.
+                moved: if self.columns.is_empty() {
+                    format!(
+                        "WITH sqlx_broker_moved AS (DELETE FROM {table} AS q WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL{fence} RETURNING q.*) \
+                         INSERT INTO {} SELECT * FROM sqlx_broker_moved",
+                        ident(d)
+                    )
+                } else {
+                    format!(
+                        "WITH sqlx_broker_moved AS (DELETE FROM {table} AS q WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL{fence} RETURNING {}) \
+                         INSERT INTO {} ({}) SELECT {} FROM sqlx_broker_moved AS m",
+                        self.row("q"),
+                        ident(d),
+                        self.columns.join(", "),
+                        self.row("m"),
+                    )
+                },
+            },
+            None => DeadStatements::None,
+        };
+        SettleStatements {
+            ack: ack.into(),
+            retry: retry.into(),
+            dead: dead.into_arcs(),
+        }
+    }
+}
+
+/// What a settlement must still find in the row for it to take effect.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Fence {
+    /// Row lock: the claim's transaction holds the row; nothing to check.
+    None,
+    /// Lease: the token (`$3` expiry, `$4` attempt).
+    Lease(LeaseToken),
+    /// Advisory: the attempt the take wrote (`$3`). The key lock keeps other claims out while
+    /// its session lives; this keeps out a settlement from a delivery whose session (and key)
+    /// ended under it.
+    Attempt(i64),
+}
+
+/// Settlement statements of one mode.
+#[derive(Debug, Clone)]
+pub(crate) struct SettleStatements {
+    pub(crate) ack: Arc<str>,
+    /// `$2` is the due time (NULL: due at once).
+    pub(crate) retry: Arc<str>,
+    pub(crate) dead: DeadStatements<Arc<str>>,
+}
+
+/// How a row is dead-lettered.
+#[derive(Debug, Clone)]
+pub(crate) enum DeadStatements<S = String> {
+    /// No target: dead letters are refused before they reach the backend.
+    None,
+    /// Set the dead-letter column.
+    Mark(S),
+    /// Move the row to the dead-letter table (after counting the attempt, in row lock mode).
+    Move { count: Option<S>, moved: S },
+}
+
+impl DeadStatements<String> {
+    fn into_arcs(self) -> DeadStatements<Arc<str>> {
+        match self {
+            Self::None => DeadStatements::None,
+            Self::Mark(s) => DeadStatements::Mark(s.into()),
+            Self::Move { count, moved } => DeadStatements::Move {
+                count: count.map(Into::into),
+                moved: moved.into(),
+            },
+        }
+    }
+}
+
+impl SettleStatements {
+    /// Runs a settlement on `conn`; the statements must match the `fence` (built to match it).
+    /// Returns the rows changed (0: the fence no longer holds, and nothing changed). The
+    /// statements of a move run one after the other, so call this inside a transaction when
+    /// there are two (row lock), or rely on the single statement (lease, advisory).
+    pub(crate) async fn run(
+        &self,
+        conn: &mut PgConnection,
+        settle: Settle,
+        fence: Fence,
+    ) -> Result<u64, Failed> {
+        // Parameters: $1 id, $2 the time the statement writes, then the fence's from $3.
+        let bind = |sql: &Arc<str>, value: Option<i64>| {
+            let q = query(sql).bind(settle.id).bind(value);
+            match fence {
+                Fence::None => q,
+                Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
+                Fence::Attempt(attempt) => q.bind(attempt),
+            }
+        };
+        let done = match settle.action {
+            Action::Ack => bind(&self.ack, Some(settle.now_ms))
+                .execute(&mut *conn)
+                .await
+                .map_err(Failed::new("ack"))?,
+            Action::Retry { due_ms } => bind(&self.retry, due_ms)
+                .execute(&mut *conn)
+                .await
+                .map_err(Failed::new("retry"))?,
+            Action::DeadLetter => match &self.dead {
+                DeadStatements::Mark(sql) => bind(sql, Some(settle.now_ms))
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(Failed::new("dead letter"))?,
+                DeadStatements::Move { count, moved } => {
+                    if let Some(count) = count {
+                        bind(count, Some(settle.now_ms))
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(Failed::new("dead letter count"))?;
+                    }
+                    bind(moved, Some(settle.now_ms))
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(Failed::new("dead letter move"))?
+                }
+                DeadStatements::None => {
+                    unreachable!("dead letters without a target are refused before settlement")
+                }
+            },
+        };
+        Ok(done.rows_affected())
+    }
+
+    /// The statements with their names, for the startup check.
+    pub(crate) fn named(&self) -> Vec<(&'static str, &str)> {
+        let mut out = vec![("ack", &*self.ack), ("retry", &*self.retry)];
+        match &self.dead {
+            DeadStatements::Mark(s) => out.push(("dead letter", s)),
+            DeadStatements::Move { count, moved } => {
+                if let Some(count) = count {
+                    out.push(("dead letter count", count));
+                }
+                out.push(("dead letter move", moved));
+            }
+            DeadStatements::None => {}
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_quoted_with_inner_quotes_doubled() {
+        assert_eq!(ident("my \"odd\" table"), "\"my \"\"odd\"\" table\"");
+        assert_eq!(ident("order"), "\"order\"");
+    }
+
+    #[test]
+    fn the_ack_with_processed_at_never_counts_an_attempt() {
+        let t = TableDescription::builder("jobs")
+            .processed_at("done_at")
+            .build()
+            .unwrap();
+        let s = Statements::new(&t, &[]).settle(&t, true, "");
+        assert!(!s.ack.contains("+ 1"), "{}", s.ack);
+        assert!(
+            s.retry.contains("\"attempt\" = q.\"attempt\" + 1"),
+            "{}",
+            s.retry
+        );
+    }
+}

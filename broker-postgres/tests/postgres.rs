@@ -1,0 +1,573 @@
+//! What only PostgreSQL shows: sessions, advisory locks and transactions as the server sees them
+//! (`pg_locks`, `pg_stat_activity`), killed connections, cross-process wake-ups, and the
+//! startup checks of column types. Each test has a database, a table and brokers of its own
+//! (see `common`); every wait is bounded.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use broker_core::{
+    ClaimMode, ColumnType, Outcome, SqlxBrokerError, SubscribeOptions, TableDescription,
+};
+use broker_postgres::{ErrorClass, classify};
+use broker_testkit::{Fixture, Job, JobText, wait_until};
+use common::{Pg, app_name};
+use sqlx::{Connection, Executor};
+
+/// Stamps a `#[tokio::test]` per case, each bounded: a case that runs past 120 s fails
+/// instead of hanging the suite.
+macro_rules! bounded {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                if tokio::time::timeout(Duration::from_secs(120), case::$case()).await.is_err() {
+                    panic!("{} ran past 120 s", stringify!($case));
+                }
+            }
+        )*
+    };
+}
+
+bounded!(
+    row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction,
+    lease_settlement_and_shutdown_leave_no_lock_and_no_open_transaction,
+    advisory_settlement_and_shutdown_leave_no_lock_and_no_open_transaction,
+    terminating_a_row_lock_deliverys_connection_returns_the_row_at_once_without_an_attempt,
+    terminating_an_advisory_deliverys_connection_frees_its_key,
+    a_publish_from_another_process_wakes_a_subscription_long_before_its_poll,
+    a_fifo_head_in_an_open_transaction_keeps_its_group_from_every_broker,
+    an_advisory_claim_locks_only_the_keys_it_takes_and_skips_keys_held_elsewhere,
+    a_time_column_without_a_time_zone_is_refused_naming_it,
+    an_id_column_that_is_not_an_integer_is_refused_naming_it,
+    declared_columns_are_published_with_their_types,
+    a_lock_that_is_not_available_is_transient_and_bad_sql_is_not,
+    the_wake_up_survives_a_terminated_listener,
+    a_column_added_by_a_migration_does_not_stop_claims,
+    a_batch_larger_than_one_statement_lands_whole_and_in_order,
+);
+
+mod case {
+    use super::*;
+
+    type Fx = Fixture<Pg>;
+
+    /// Waits (up to 5 s) until the broker's sessions hold no advisory lock and sit in no open
+    /// transaction; connections go back to the pool in tasks of their own.
+    async fn assert_nothing_held(broker: &broker_postgres::PgBroker, when: &str) {
+        let app = app_name(broker);
+        let start = Instant::now();
+        loop {
+            let locks = common::advisory_locks_of(&app).await;
+            let open = common::open_transactions_of(&app).await;
+            if locks == 0 && open == 0 {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "{when}: {locks} advisory locks held and {open} sessions idle in transaction"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn fixture(mode: ClaimMode) -> Fx {
+        Fixture::<Pg>::new(mode, |b| b)
+            .await
+            .expect("PostgreSQL offers every mode")
+    }
+
+    async fn claim_one(
+        q: &broker_core::Queue<broker_postgres::PgBackend, Job>,
+    ) -> broker_core::Delivery<broker_postgres::PgBackend, Job> {
+        let start = Instant::now();
+        loop {
+            if let Some(d) = q.claim(1).await.expect("claim").pop() {
+                return d;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no row came within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
+        let q = fx.queue().await;
+        let jobs: Vec<_> = (0..8)
+            .map(|i| {
+                let job = fx.job(i);
+                if fx.table.group().is_some() {
+                    job.group(format!("g{}", i % 2))
+                } else {
+                    job
+                }
+            })
+            .collect();
+        q.publish_batch(&jobs).await.unwrap();
+        let first = claim_one(&q).await;
+        let second = claim_one(&q).await;
+        first.ack().await.unwrap();
+        second.retry().await.unwrap();
+        assert_nothing_held(&fx.broker, "after settlement").await;
+
+        let sub = q.subscribe(
+            SubscribeOptions::new()
+                .concurrency(3)
+                .poll_interval(Duration::from_millis(50)),
+            |_job| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        );
+        wait_until("every row acked", Duration::from_secs(20), || {
+            let q = q.clone();
+            async move { q.metrics().acked == 8 }
+        })
+        .await;
+        sub.shutdown().await;
+        assert_nothing_held(&fx.broker, "after shutdown").await;
+        let leaks = common::leaks(&fx.broker).await;
+        assert!(leaks.is_empty(), "{leaks:?}");
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction()
+     {
+        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
+            .await
+            .unwrap();
+        settlement_and_shutdown_leave_nothing_held(fx).await;
+    }
+
+    pub(super) async fn lease_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
+        settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Lease).await).await;
+    }
+
+    pub(super) async fn advisory_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
+        settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Advisory).await).await;
+    }
+
+    pub(super) async fn terminating_a_row_lock_deliverys_connection_returns_the_row_at_once_without_an_attempt()
+     {
+        let mut fx = fixture(ClaimMode::RowLock).await;
+        let q = fx.queue().await;
+        let other = fx.other_queue().await;
+        let id = fx.publish(&q, 1).await[0];
+        let mut d = claim_one(&q).await;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut **d.transaction().unwrap())
+            .await
+            .unwrap();
+        assert!(
+            other.claim(1).await.unwrap().is_empty(),
+            "the open transaction holds the row"
+        );
+        let mut admin = common::admin().await;
+        let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap();
+        assert!(killed);
+        let start = Instant::now();
+        let again = claim_one(&other).await;
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "back after {:?}",
+            start.elapsed()
+        );
+        assert_eq!(again.id(), id);
+        assert_eq!(again.attempt(), 1, "the rollback used no attempt");
+        assert!(d.ack().await.is_err(), "the dead transaction cannot settle");
+        again.ack().await.unwrap();
+        assert!(q.row_state(id).await.unwrap().is_none());
+        let _ = admin.close().await;
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn terminating_an_advisory_deliverys_connection_frees_its_key() {
+        let mut fx = fixture(ClaimMode::Advisory).await;
+        let q = fx.queue().await;
+        let other = fx.other_queue().await;
+        let id = fx.publish(&q, 1).await[0];
+        let d = claim_one(&q).await;
+        let key = d.key().unwrap().to_owned();
+        assert!(common::key_is_held(&fx.broker, &key).await);
+        assert!(
+            other.claim(1).await.unwrap().is_empty(),
+            "the key holds the row"
+        );
+        let mut admin = common::admin().await;
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT l.pid FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 \
+             AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0)",
+        )
+        .bind(&key)
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+        assert_eq!(pids.len(), 1, "one session holds the key");
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(pids[0])
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        wait_until("the key to be free", Duration::from_secs(5), || {
+            let b = fx.broker.clone();
+            let key = key.clone();
+            async move { !common::key_is_held(&b, &key).await }
+        })
+        .await;
+        let again = claim_one(&other).await;
+        assert_eq!(again.id(), id);
+        assert_eq!(again.attempt(), 2, "the take counted the first attempt");
+        assert!(d.ack().await.is_err(), "the dead session cannot settle");
+        again.ack().await.unwrap();
+        fx.broker.flush_cleanups().await;
+        assert!(q.row_state(id).await.unwrap().is_none());
+        let _ = admin.close().await;
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn a_publish_from_another_process_wakes_a_subscription_long_before_its_poll() {
+        let fx = fixture(ClaimMode::Lease).await;
+        let q = fx.queue().await;
+        // A second broker with a pool of its own stands for another process: its publish can wake
+        // this subscription only through NOTIFY.
+        let other = common::connect(&fx.url).await;
+        let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
+        let sub = q.subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+        );
+        // Let the subscription find the table empty and go idle.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let start = Instant::now();
+        elsewhere.publish(fx.job(0)).await.unwrap();
+        wait_until(
+            "the woken subscription's ack",
+            Duration::from_secs(10),
+            || {
+                let q = q.clone();
+                async move { q.metrics().acked == 1 }
+            },
+        )
+        .await;
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "woken after {:?}",
+            start.elapsed()
+        );
+
+        // A publish inside a transaction wakes others when it commits, not before.
+        let mut tx = other.pool().begin().await.unwrap();
+        elsewhere.publish_in(&mut *tx, &[fx.job(1)]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            q.metrics().claimed,
+            1,
+            "nothing is visible before the commit"
+        );
+        let start = Instant::now();
+        tx.commit().await.unwrap();
+        wait_until("the ack after the commit", Duration::from_secs(10), || {
+            let q = q.clone();
+            async move { q.metrics().acked == 2 }
+        })
+        .await;
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "woken after {:?}",
+            start.elapsed()
+        );
+        sub.shutdown().await;
+        other.close().await;
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn a_fifo_head_in_an_open_transaction_keeps_its_group_from_every_broker() {
+        let mut fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
+            .await
+            .unwrap();
+        let q = fx.queue().await;
+        let other = fx.other_queue().await;
+        let jobs = vec![
+            fx.job(0).group("g"),
+            fx.job(1).group("g"),
+            fx.job(2).group("h"),
+        ];
+        let ids = q.publish_batch(&jobs).await.unwrap();
+        let head = claim_one(&q).await;
+        assert_eq!(head.id(), ids[0]);
+        // The claim holds its row lock and one guard: the group's.
+        assert_eq!(common::advisory_locks_of(&app_name(&fx.broker)).await, 1);
+        // SKIP LOCKED would pass over the locked head; the next row is no head, and the guard keeps
+        // the group closed anyway.
+        let got = other.claim(1).await.unwrap();
+        assert_eq!(got.iter().map(|d| d.id()).collect::<Vec<_>>(), vec![ids[2]]);
+        assert!(
+            other.claim(1).await.unwrap().is_empty(),
+            "group g waits for its head"
+        );
+        for d in got {
+            d.ack().await.unwrap();
+        }
+        head.retry().await.unwrap();
+        let again = claim_one(&other).await;
+        assert_eq!(
+            (again.id(), again.attempt()),
+            (ids[0], 2),
+            "a retried head stays the head"
+        );
+        again.ack().await.unwrap();
+        let next = claim_one(&q).await;
+        assert_eq!(next.id(), ids[1]);
+        next.ack().await.unwrap();
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn an_advisory_claim_locks_only_the_keys_it_takes_and_skips_keys_held_elsewhere()
+     {
+        let fx = fixture(ClaimMode::Advisory).await;
+        let q = fx.queue().await;
+        let ids = fx.publish(&q, 50).await;
+        // Another session holds the first row's key: the claim passes over it.
+        let mut holder = sqlx::PgConnection::connect(&fx.url).await.unwrap();
+        let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
+            .bind("key-k0")
+            .fetch_one(&mut holder)
+            .await
+            .unwrap();
+        assert!(held);
+        let d = claim_one(&q).await;
+        assert_eq!(d.id(), ids[1]);
+        assert_eq!(
+            common::advisory_locks_of(&app_name(&fx.broker)).await,
+            1,
+            "one key for one delivery, none for the 48 other due rows"
+        );
+        d.ack().await.unwrap();
+        let _ = holder.close().await;
+        wait_until(
+            "the holder's key to be free",
+            Duration::from_secs(5),
+            || {
+                let b = fx.broker.clone();
+                async move { !common::key_is_held(&b, "key-k0").await }
+            },
+        )
+        .await;
+        let d = claim_one(&q).await;
+        assert_eq!(d.id(), ids[0]);
+        d.ack().await.unwrap();
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn a_time_column_without_a_time_zone_is_refused_naming_it() {
+        let fx = fixture(ClaimMode::Lease).await;
+        let mut conn = fx.broker.pool().acquire().await.unwrap();
+        conn.execute(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE \"{}\" ALTER COLUMN due_at TYPE TIMESTAMP",
+            fx.table.name()
+        )))
+        .await
+        .unwrap();
+        drop(conn);
+        let err = fx.broker.queue::<Job>(fx.table.clone()).await.unwrap_err();
+        assert!(matches!(err, SqlxBrokerError::Schema { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("\"due_at\"") && msg.contains("TIMESTAMPTZ"),
+            "{msg}"
+        );
+        assert!(msg.contains(fx.table.name()), "{msg}");
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn an_id_column_that_is_not_an_integer_is_refused_naming_it() {
+        let url = common::create_database().await;
+        let broker = common::connect(&url).await;
+        let name = broker_testkit::unique_name("textid");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{name}\" (id TEXT PRIMARY KEY, payload TEXT, attempt INTEGER NOT NULL DEFAULT 1)"
+        )))
+        .execute(broker.pool())
+        .await
+        .unwrap();
+        let table = TableDescription::builder(&name)
+            .payload("payload", ColumnType::Text)
+            .build()
+            .unwrap();
+        let err = broker.queue::<Job>(table).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("\"id\"") && msg.contains("integer"), "{msg}");
+        broker.close().await;
+        common::drop_database(&url).await;
+    }
+
+    pub(super) async fn declared_columns_are_published_with_their_types() {
+        let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| {
+            b.column("n", ColumnType::BigInt)
+                .column("doc", ColumnType::Json)
+                .column("raw", ColumnType::Bytes)
+                .priority("prio")
+        })
+        .await
+        .unwrap();
+        let q = fx.queue().await;
+        let ids = q
+            .publish_batch(&[
+                fx.job(0)
+                    .column("n", 7)
+                    .column("doc", "{\"a\": 1}")
+                    .column("raw", "abc")
+                    .priority(3),
+                fx.job(1).column("n", None::<i64>),
+            ])
+            .await
+            .unwrap();
+        assert!(ids[0] < ids[1], "ids come back in publish order");
+        let row: (Option<i64>, Option<String>, Option<Vec<u8>>, i32) =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT n, doc::text, raw, prio FROM \"{}\" WHERE id = $1",
+                fx.table.name()
+            )))
+            .bind(ids[0])
+            .fetch_one(fx.broker.pool())
+            .await
+            .unwrap();
+        assert_eq!(
+            row,
+            (Some(7), Some("{\"a\": 1}".into()), Some(b"abc".to_vec()), 3)
+        );
+        let d = claim_one(&q).await;
+        assert_eq!(
+            (d.id(), d.payload().text()),
+            (ids[0], "job-0"),
+            "priority first"
+        );
+        d.ack().await.unwrap();
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn a_lock_that_is_not_available_is_transient_and_bad_sql_is_not() {
+        let url = common::create_database().await;
+        let mut a = sqlx::PgConnection::connect(&url).await.unwrap();
+        let mut b = sqlx::PgConnection::connect(&url).await.unwrap();
+        // Bounded either way: NOWAIT fails at once on the row, the timeout on anything else.
+        b.execute("SET lock_timeout = '5s'").await.unwrap();
+        a.execute("CREATE TABLE locked (x INT); INSERT INTO locked VALUES (1)")
+            .await
+            .unwrap();
+        let mut tx = a.begin().await.unwrap();
+        tx.execute("SELECT * FROM locked FOR UPDATE").await.unwrap();
+        let err = b
+            .execute("SELECT * FROM locked FOR UPDATE NOWAIT")
+            .await
+            .unwrap_err();
+        assert_eq!(classify(&err), ErrorClass::Transient, "{err}");
+        tx.rollback().await.unwrap();
+        let err = b.execute("SELECT 1 / 0").await.unwrap_err();
+        assert_eq!(classify(&err), ErrorClass::Permanent, "{err}");
+        let _ = a.close().await;
+        let _ = b.close().await;
+        common::drop_database(&url).await;
+    }
+
+    pub(super) async fn the_wake_up_survives_a_terminated_listener() {
+        let fx = fixture(ClaimMode::Lease).await;
+        let q = fx.queue().await;
+        let other = common::connect(&fx.url).await;
+        let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
+        let sub = q.subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Kill every session of the subscription's pool, the listener's among them.
+        assert!(common::kill_connections(&fx.broker).await >= 1);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let start = Instant::now();
+        elsewhere.publish(fx.job(0)).await.unwrap();
+        wait_until(
+            "the ack after the listener reconnected",
+            Duration::from_secs(10),
+            || {
+                let q = q.clone();
+                async move { q.metrics().acked == 1 }
+            },
+        )
+        .await;
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "woken after {:?}",
+            start.elapsed()
+        );
+        sub.shutdown().await;
+        other.close().await;
+        fx.cleanup().await;
+    }
+
+    pub(super) async fn a_column_added_by_a_migration_does_not_stop_claims() {
+        for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+            let dead = broker_testkit::unique_name("dead");
+            let fx = Fixture::<Pg>::new(mode, |b| {
+                b.max_attempts(1)
+                    .dead_letter(broker_core::DeadLetter::Table(dead))
+            })
+            .await
+            .unwrap();
+            let q = fx.queue().await;
+            fx.publish(&q, 1).await;
+            // Every statement of the mode runs once, so the pool's connections cache them.
+            claim_one(&q).await.ack().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE \"{}\" ADD COLUMN added_later TEXT",
+                fx.table.name()
+            )))
+            .execute(fx.broker.pool())
+            .await
+            .unwrap();
+            let ids = q.publish_batch(&[fx.job(1), fx.job(2)]).await.unwrap();
+            let d = claim_one(&q).await;
+            assert_eq!(d.id(), ids[0], "{mode}");
+            d.ack().await.unwrap();
+            let d = claim_one(&q).await;
+            d.retry().await.unwrap();
+            let state = q.row_state(ids[1]).await.unwrap().unwrap();
+            assert!(
+                state.dead,
+                "{mode}: moved to a dead-letter table without the new column"
+            );
+            fx.cleanup().await;
+        }
+    }
+
+    pub(super) async fn a_batch_larger_than_one_statement_lands_whole_and_in_order() {
+        let fx = fixture(ClaimMode::Lease).await;
+        let q = fx.queue().await;
+        let jobs: Vec<_> = (0..2500).map(|i| fx.job(i)).collect();
+        let ids = q.publish_batch(&jobs).await.unwrap();
+        assert_eq!(ids.len(), 2500);
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids in publish order");
+        // Inside the caller's transaction the statements share it: a rollback takes them all.
+        let mut tx = fx.broker.pool().begin().await.unwrap();
+        let gone = q.publish_in(&mut *tx, &jobs).await.unwrap();
+        assert_eq!(gone.len(), 2500);
+        tx.rollback().await.unwrap();
+        let count: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{}\"",
+            fx.table.name()
+        )))
+        .fetch_one(fx.broker.pool())
+        .await
+        .unwrap();
+        assert_eq!(count, 2500);
+        fx.cleanup().await;
+    }
+}
