@@ -27,6 +27,11 @@ impl broker_testkit::TestDb for Sqlite {
         broker.backend().is_key_held(key)
     }
 
+    async fn kill_connections(_broker: &SqliteBroker) -> Option<usize> {
+        // An embedded database has no server connections to kill.
+        None
+    }
+
     async fn leaks(broker: &SqliteBroker) -> Vec<String> {
         // SQLite has no server sessions: what can leak is a key left in the process's key
         // table, or a pool connection never given back.

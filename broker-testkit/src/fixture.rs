@@ -82,17 +82,11 @@ pub trait TestDb: Send + Sync + 'static {
     /// Terminates every database connection of `broker`'s pool from another session
     /// (PostgreSQL `pg_terminate_backend`, MariaDB `KILL`); returns how many, or `None` where the
     /// database has no server connections to kill (SQLite).
-    fn kill_connections(broker: &Broker<Self::B>) -> impl Future<Output = Option<usize>> + Send {
-        let _ = broker;
-        async { None }
-    }
+    fn kill_connections(broker: &Broker<Self::B>) -> impl Future<Output = Option<usize>> + Send;
 
     /// What `broker` leaves behind that it should not: advisory keys held, transactions open,
     /// connections of its pool in use. Empty when nothing leaks.
-    fn leaks(broker: &Broker<Self::B>) -> impl Future<Output = Vec<String>> + Send {
-        let _ = broker;
-        async { Vec::new() }
-    }
+    fn leaks(broker: &Broker<Self::B>) -> impl Future<Output = Vec<String>> + Send;
 
     /// Removes what [`database`](Self::database) made, if anything.
     fn drop_database(url: &str) -> impl Future<Output = ()> + Send {
