@@ -95,6 +95,26 @@ pub trait TestDb: Send + Sync + 'static {
     }
 }
 
+/// Appends a line to the fault report (`$SQLX_BROKER_REPORT_DIR/faults.txt`, by default in the
+/// temp folder), so a run's figures survive cargo's capture of passing tests' output; `.ci/run`
+/// prints the report at the end.
+pub fn report(line: &str) {
+    use std::io::Write as _;
+    let dir = std::env::var_os("SQLX_BROKER_REPORT_DIR").map_or_else(
+        || std::env::temp_dir().join("sqlx-broker-reports"),
+        Into::into,
+    );
+    if std::fs::create_dir_all(&dir).is_ok()
+        && let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("faults.txt"))
+    {
+        let _ = writeln!(f, "{line}");
+    }
+    println!("{line}");
+}
+
 /// A name no other test uses, for tables (lowercase letters, digits, underscores).
 pub fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);

@@ -260,7 +260,7 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode) {
         finals,
     };
     match history.check(&expect) {
-        Ok(f) => println!(
+        Ok(f) => crate::report(&format!(
             "stress {mode} on {}: {} rows, {} deliveries, {} retries, {} killed deliveries, {} acked, {} dead-lettered, {kills} broker kills, {:.1}s ({:.0} deliveries/s)",
             first.backend().capabilities().database,
             f.rows,
@@ -271,7 +271,7 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode) {
             f.dead,
             elapsed.as_secs_f64(),
             f.deliveries as f64 / elapsed.as_secs_f64()
-        ),
+        )),
         Err(problems) => {
             let head: String = problems.lines().take(60).collect::<Vec<_>>().join("\n");
             panic!("the history check failed:\n{head}");
@@ -446,6 +446,11 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
     }
     let leaks = D::leaks(&fx.broker).await;
     assert!(leaks.is_empty(), "{leaks:?}");
+    crate::report(&format!(
+        "kill -9 {mode} on {}: 4 deliveries killed mid-handler, back after {:.1}s at attempt {expected}, no leaks",
+        fx.broker.backend().capabilities().database,
+        waited.as_secs_f64()
+    ));
     fx.cleanup().await;
 }
 
@@ -552,12 +557,13 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
         panic!("the history check failed:\n{problems}");
     }
     assert!(terminated > 0, "some connections were terminated");
-    println!(
-        "killed connections ({mode}): {terminated} terminated, {} deliveries for 120 rows",
-        records.len()
-    );
     victim.close().await;
     let leaks = D::leaks(&fx.broker).await;
     assert!(leaks.is_empty(), "{leaks:?}");
+    crate::report(&format!(
+        "killed connections {mode} on {}: {terminated} connections terminated, 120 rows in {} deliveries, history check passed, no leaks",
+        fx.broker.backend().capabilities().database,
+        records.len()
+    ));
     fx.cleanup().await;
 }
