@@ -100,8 +100,8 @@ impl SubscribeOptions {
         self.error_backoff_max = max;
         self
     }
-    /// How many claims may run at once (default: 2, or `concurrency` in row lock mode, where each
-    /// claim takes one row).
+    /// How many claims may run at once (default: enough to fill every slot, `concurrency /
+    /// batch_size` rounded up; in row lock mode, where each claim takes one row, `concurrency`).
     pub fn max_claims_in_flight(mut self, n: usize) -> Self {
         self.max_claims_in_flight = Some(n.max(1));
         self
@@ -243,10 +243,15 @@ where
     };
     let row_lock = table.mode() == ClaimMode::RowLock;
     let batch = if row_lock { 1 } else { options.batch_size };
-    let max_claims =
+    // Enough claims in flight to fill every slot: one per batch of slots (row lock claims one
+    // row per transaction, so one per slot), and a single one for a single worker, which on
+    // SQLite would only contend with itself for the one writer.
+    let max_claims = options.max_claims_in_flight.unwrap_or_else(|| {
         options
-            .max_claims_in_flight
-            .unwrap_or(if row_lock { options.concurrency } else { 2 });
+            .concurrency
+            .div_ceil(batch)
+            .clamp(1, options.concurrency)
+    });
     let slots = Arc::new(Semaphore::new(options.concurrency));
     let mut claims: JoinSet<Claimed<B, T>> = JoinSet::new();
     let mut handlers: JoinSet<()> = JoinSet::new();
@@ -265,7 +270,7 @@ where
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,
                 Some(done) = claims.join_next() => {
-                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
                     continue;
                 }
                 Some(_) = handlers.join_next() => continue,
@@ -278,7 +283,7 @@ where
                 _ = stop.changed() => {}
                 _ = broker_stop.changed() => {}
                 Some(done) = claims.join_next() => {
-                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
                 }
                 Some(_) = handlers.join_next() => {}
             }
@@ -289,7 +294,7 @@ where
             _ = stop.changed() => continue,
             _ = broker_stop.changed() => continue,
             Some(done) = claims.join_next() => {
-                idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+                idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
                 continue;
             }
             Some(_) = handlers.join_next() => continue,
@@ -315,7 +320,15 @@ where
     // get until the deadline.
     let deadline = tokio::time::Instant::now() + options.shutdown_timeout;
     while let Some(done) = claims.join_next().await {
-        on_claimed(done, &queue, &handler, &options, &mut handlers, &span);
+        on_claimed(
+            done,
+            &queue,
+            &handler,
+            &options,
+            &mut handlers,
+            &span,
+            &wake,
+        );
     }
     let mut report = ShutdownReport::default();
     let waited = tokio::time::timeout_at(deadline, async {
@@ -348,6 +361,7 @@ fn on_claimed<B, T>(
     options: &Arc<SubscribeOptions>,
     handlers: &mut JoinSet<()>,
     span: &tracing::Span,
+    wake: &Arc<Notify>,
 ) -> bool
 where
     B: Backend,
@@ -366,7 +380,7 @@ where
                 let h = handler.clone();
                 let q = queue.clone();
                 let o = options.clone();
-                handlers.spawn(work(q, d, h, o, permit).instrument(span.clone()));
+                handlers.spawn(work(q, d, h, o, permit, wake.clone()).instrument(span.clone()));
             }
             got < asked
         }
@@ -384,7 +398,8 @@ async fn work<B, T>(
     mut delivery: Delivery<B, T>,
     handler: Handler<B, T>,
     options: Arc<SubscribeOptions>,
-    _permit: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
+    wake: Arc<Notify>,
 ) where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
@@ -451,6 +466,14 @@ async fn work<B, T>(
     };
     if let Err(e) = delivery.settle(outcome).await {
         tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+    }
+    drop(permit);
+    // A settlement can make rows claimable that the last claim had to pass over: the next row
+    // of a FIFO group, rows whose advisory key this delivery held, or this row itself when it
+    // is due again at once. Wake the claim loop instead of leaving them to the next poll.
+    if inner.table.fifo() || inner.table.mode() == ClaimMode::Advisory || outcome == Outcome::Retry
+    {
+        wake.notify_one();
     }
 }
 

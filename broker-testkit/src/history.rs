@@ -422,7 +422,14 @@ impl History {
                 (Some(Final::Dead), Final::Dead) => figures.dead += 1,
                 // Claims no handler saw (a broker killed after the last delivery) can spend the
                 // row's last attempts; its next claim then dead-letters it without a delivery.
-                (None, Final::Dead) if unseen_claim(last.start, Duration::MAX) => figures.dead += 1,
+                // So can a kill that cut the last delivery's settlement (its attempt stays
+                // used): the row is then dead-lettered at its next claim, unseen.
+                (_, Final::Dead)
+                    if expect.mode != ClaimMode::RowLock
+                        && (cut(last) || unseen_claim(last.start, Duration::MAX)) =>
+                {
+                    figures.dead += 1;
+                }
                 _ => {
                     let _ = writeln!(
                         problems,
