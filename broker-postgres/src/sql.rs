@@ -149,8 +149,10 @@ impl Statements {
         if let Some(head) = fifo::head_condition(t) {
             claimable.push(head);
         }
-        if claimable.is_empty() {
-            claimable.push("TRUE".into());
+        if t.due_at().is_none() && t.locked_until().is_none() {
+            // No time condition reads the host's now, but every claim binds it as $1: keep the
+            // parameter in the statement, typed, so the bind count and types still match.
+            claimable.push("$1::int8 IS NOT NULL".into());
         }
         let (order, order_out) = match t.priority() {
             Some(p) => {

@@ -62,6 +62,7 @@ macro_rules! conformance_suite {
             stress_with_random_outcomes_and_kills,
             killed_connections_lose_nothing,
             identifiers_and_values_that_look_like_sql_round_trip,
+            a_table_with_only_the_required_columns_works,
         );
         $crate::conformance_suite!(@named $db;
             a_killed_worker_gives_its_rows_back,

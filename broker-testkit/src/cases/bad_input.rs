@@ -2,7 +2,7 @@
 //! the wrong type. Each gets a clear error or is handled, and nothing is lost.
 
 use broker_core::{
-    ClaimMode, ColumnType, DeadLetter, NewJob, SqlxBrokerError, TableDescription, Value,
+    Backend, ClaimMode, ColumnType, DeadLetter, NewJob, SqlxBrokerError, TableDescription, Value,
 };
 
 use super::claim_one;
@@ -149,4 +149,44 @@ impl<B: broker_core::Backend> Offers for broker_core::Broker<B> {
     fn backend_capabilities_offer(&self, mode: ClaimMode) -> bool {
         self.backend().capabilities().offers(mode)
     }
+}
+
+/// A table with only the columns its mode needs (no due time, priority, group or dead letter)
+/// claims, retries and acks: every statement still binds what it declares.
+pub async fn a_table_with_only_the_required_columns_works<D: TestDb>(mode: ClaimMode) {
+    let url = D::database().await;
+    let broker = D::connect(&url).await;
+    if !broker.backend().capabilities().offers(mode) {
+        broker.close().await;
+        D::drop_database(&url).await;
+        return;
+    }
+    let b = TableDescription::builder(unique_name("bare")).payload("payload", ColumnType::Text);
+    let table = match mode {
+        ClaimMode::RowLock => b,
+        ClaimMode::Lease => b.locked_until("locked_until"),
+        ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("key-{k}"),
+    }
+    .build()
+    .unwrap();
+    broker.create_tables(&table).await.unwrap();
+    let q = broker
+        .queue::<D::Job>(table.clone())
+        .await
+        .expect("prepare a bare table");
+    let mut job = NewJob::new(D::Text::from("bare".to_owned()));
+    if mode == ClaimMode::Advisory {
+        job = job.column("k", "one");
+    }
+    let id = q.publish(job).await.unwrap();
+    let d = claim_one::<D>(&q).await;
+    assert_eq!((d.id(), d.attempt()), (id, 1));
+    d.retry().await.unwrap();
+    let d = claim_one::<D>(&q).await;
+    assert_eq!(d.attempt(), 2);
+    d.ack().await.unwrap();
+    assert!(q.row_state(id).await.unwrap().is_none());
+    broker.drop_tables(&table).await.unwrap();
+    broker.close().await;
+    D::drop_database(&url).await;
 }
