@@ -15,7 +15,7 @@ use crate::error::{Result, SqlxBrokerError};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::publish::NewJob;
 use crate::strategy::{
-    Action, AdvisoryStrategy, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Prepared,
+    Action, AdvisoryStrategy, Backend, Candidate, ClaimedRow, LeaseStrategy, LeaseToken, Prepared,
     RowLockStrategy, RowState, Settle,
 };
 use crate::subscription::{Handler, SubscribeOptions, Subscription};
@@ -97,6 +97,7 @@ impl<B: Backend> Broker<B> {
                 table,
                 prepared,
                 metrics: Metrics::default(),
+                candidates: CandidateCache::default(),
             }),
             _row: PhantomData,
         })
@@ -231,6 +232,36 @@ pub(crate) struct QueueInner<B: Backend> {
     pub(crate) table: Arc<TableDescription>,
     pub(crate) prepared: Prepared<B>,
     pub(crate) metrics: Metrics,
+    /// Advisory mode: candidates a recent read returned that no claim has tried yet.
+    pub(crate) candidates: CandidateCache,
+}
+
+/// Advisory candidates kept between claims, so a claim for fewer rows than a read returns does
+/// not read again for the next. They expire quickly: a newer row of higher priority waits at
+/// most that long behind them.
+#[derive(Debug, Default)]
+pub(crate) struct CandidateCache {
+    inner: Mutex<Option<(std::time::Instant, std::collections::VecDeque<Candidate>)>>,
+}
+
+impl CandidateCache {
+    /// How long candidates are kept.
+    const TTL: std::time::Duration = std::time::Duration::from_millis(200);
+
+    fn pop(&self) -> Option<Candidate> {
+        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (read_at, list) = guard.as_mut()?;
+        if read_at.elapsed() > Self::TTL {
+            *guard = None;
+            return None;
+        }
+        list.pop_front()
+    }
+
+    fn refill(&self, fresh: Vec<Candidate>) {
+        *self.inner.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((std::time::Instant::now(), fresh.into()));
+    }
 }
 
 impl<B: Backend, T> Queue<B, T> {
@@ -412,13 +443,23 @@ impl<B: Backend> QueueInner<B> {
         limit: usize,
         now: i64,
     ) -> Result<Vec<(ClaimedRow<B::Db>, Hold<B>)>> {
-        // Ask for more candidates than slots: some keys will be held elsewhere.
-        let candidates = s.candidates(limit.saturating_mul(4).max(16), now).await?;
         let mut out = Vec::new();
-        for c in candidates {
-            if out.len() >= limit {
-                break;
-            }
+        let mut read = false;
+        while out.len() < limit {
+            // Candidates left over by a recent read come first; the lock and the take check
+            // each one again, so a stale one costs a statement, never a wrong claim.
+            let c = match self.candidates.pop() {
+                Some(c) => c,
+                None if read => break,
+                None => {
+                    read = true;
+                    // Ask for more candidates than slots: some keys will be held elsewhere,
+                    // and the rest serve the next claims.
+                    let fresh = s.candidates(limit.saturating_mul(4).max(16), now).await?;
+                    self.candidates.refill(fresh);
+                    continue;
+                }
+            };
             // A key this broker holds already is skipped without spending a connection; the
             // insert also reserves the key against this broker's other claims.
             if self.broker.key_is_held(&c.key) || !self.broker.hold_key(&c.key) {

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use crate::broker::Queue;
 use crate::delivery::{Delivery, Outcome, renew_lease};
 use crate::metrics::{InWork, Metrics, MetricsSnapshot};
 use crate::strategy::Backend;
-use crate::table::ClaimMode;
+use crate::table::{ClaimMode, TableDescription};
 
 /// A boxed, sendable future, as handlers return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -35,7 +36,7 @@ pub type HandlerResult = Result<Outcome, BoxError>;
 pub struct SubscribeOptions {
     name: String,
     concurrency: usize,
-    batch_size: usize,
+    batch_size: Option<usize>,
     poll_interval: Duration,
     shutdown_timeout: Duration,
     error_backoff: Duration,
@@ -48,7 +49,7 @@ impl Default for SubscribeOptions {
         Self {
             name: "subscription".into(),
             concurrency: 1,
-            batch_size: 16,
+            batch_size: None,
             poll_interval: Duration::from_secs(1),
             shutdown_timeout: Duration::from_secs(30),
             error_backoff: Duration::from_secs(1),
@@ -59,8 +60,8 @@ impl Default for SubscribeOptions {
 }
 
 impl SubscribeOptions {
-    /// The defaults: 1 delivery in work, batches of 16, a 1 s poll, a 30 s shutdown deadline,
-    /// and an error backoff of 1 s doubling to 5 min.
+    /// The defaults: 1 delivery in work, batches as large as the concurrency, a 1 s poll, a 30 s
+    /// shutdown deadline, and an error backoff of 1 s doubling to 5 min.
     pub fn new() -> Self {
         Self::default()
     }
@@ -74,11 +75,20 @@ impl SubscribeOptions {
         self.concurrency = n.max(1);
         self
     }
-    /// The most rows one claim asks for (at least 1). A claim asks for as many rows as there are
-    /// free slots, up to this. Row lock mode claims one row per transaction, so its claims run
-    /// side by side instead.
+    /// The most rows one claim asks for (at least 1; default: the concurrency).
+    ///
+    /// - Lease mode prefetches: a claim asks for a whole batch once that many rows fit beside
+    ///   the deliveries in work, so up to `batch_size` claimed rows may wait in the subscription
+    ///   for a free slot. Their leases are renewed while they wait; at shutdown they are started
+    ///   like the rest within the deadline. A larger batch means fewer claim statements per row
+    ///   but more rows held by this process: with slow handlers and several processes, keep it
+    ///   near the concurrency.
+    /// - Advisory mode asks for as many rows as there are free slots, up to this: each held key
+    ///   holds a connection on PostgreSQL and MySQL, so rows are never held ahead of a slot. The
+    ///   candidates a read returns beyond those are kept briefly for the next claims.
+    /// - Row lock mode claims one row per transaction, so its claims run side by side instead.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
+        self.batch_size = Some(n.max(1));
         self
     }
     /// How long an idle subscription waits before it looks again when nothing wakes it.
@@ -212,10 +222,29 @@ where
     }
 }
 
+/// A finished claim: its deliveries, the window permits it took (one per row asked for), and
+/// the count of freeing settlements when it started.
 type Claimed<B, T> = (
     crate::Result<Vec<Delivery<B, T>>>,
-    Vec<OwnedSemaphorePermit>,
+    OwnedSemaphorePermit,
+    u64,
 );
+
+/// What every delivery task of a subscription shares.
+struct Engine<B: Backend, T> {
+    queue: Queue<B, T>,
+    handler: Handler<B, T>,
+    options: Arc<SubscribeOptions>,
+    /// One permit per delivery whose handler runs.
+    slots: Arc<Semaphore>,
+    wake: Arc<Notify>,
+    /// Settlements that may have made rows claimable (see [`frees_rows`]). A claim that found
+    /// too few rows while one landed looks again at once: it may have run before that row was
+    /// free, and the wake-up the settlement sent may have gone to a claim that lost the row to
+    /// it.
+    freed: AtomicU64,
+    span: tracing::Span,
+}
 
 async fn run<B, T>(
     queue: Queue<B, T>,
@@ -241,8 +270,11 @@ where
             None
         }
     };
-    let row_lock = table.mode() == ClaimMode::RowLock;
-    let batch = if row_lock { 1 } else { options.batch_size };
+    let mode = table.mode();
+    let batch = match mode {
+        ClaimMode::RowLock => 1,
+        _ => options.batch_size.unwrap_or(options.concurrency),
+    };
     // Enough claims in flight to fill every slot: one per batch of slots (row lock claims one
     // row per transaction, so one per slot), and a single one for a single worker, which on
     // SQLite would only contend with itself for the one writer.
@@ -252,10 +284,25 @@ where
             .div_ceil(batch)
             .clamp(1, options.concurrency)
     });
+    // Rows this subscription holds: in work, waiting for a slot, or asked for by a claim in
+    // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode holds a
+    // batch beyond the slots and claims whole batches; a row lock or a key holds a connection,
+    // so those modes hold no more rows than slots.
+    let prefetch = if mode == ClaimMode::Lease { batch } else { 0 };
+    let window = Arc::new(Semaphore::new(options.concurrency + prefetch));
     let slots = Arc::new(Semaphore::new(options.concurrency));
     let mut claims: JoinSet<Claimed<B, T>> = JoinSet::new();
     let mut handlers: JoinSet<()> = JoinSet::new();
     let options = Arc::new(options);
+    let engine = Arc::new(Engine {
+        queue: queue.clone(),
+        handler,
+        options: options.clone(),
+        slots,
+        wake: wake.clone(),
+        freed: AtomicU64::new(0),
+        span: span.clone(),
+    });
     let mut idle = false;
 
     let stopped = |s: &watch::Receiver<bool>, b: &watch::Receiver<bool>| *s.borrow() || *b.borrow();
@@ -270,7 +317,7 @@ where
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,
                 Some(done) = claims.join_next() => {
-                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
+                    idle = engine.on_claimed(done, &mut handlers);
                     continue;
                 }
                 Some(_) = handlers.join_next() => continue,
@@ -283,34 +330,38 @@ where
                 _ = stop.changed() => {}
                 _ = broker_stop.changed() => {}
                 Some(done) = claims.join_next() => {
-                    idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
+                    idle = engine.on_claimed(done, &mut handlers);
                 }
                 Some(_) = handlers.join_next() => {}
             }
             continue;
         }
-        let first = tokio::select! {
-            permit = slots.clone().acquire_owned() => permit.expect("the slot semaphore is never closed"),
+        // Prefetching claims wait until a whole batch fits; the others start as soon as one slot
+        // is free and take what else is free.
+        let wanted = if prefetch > 0 { batch } else { 1 };
+        let acquired = tokio::select! {
+            permit = window.clone().acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX)) => permit.expect("the window semaphore is never closed"),
             _ = stop.changed() => continue,
             _ = broker_stop.changed() => continue,
             Some(done) = claims.join_next() => {
-                idle = on_claimed(done, &queue, &handler, &options, &mut handlers, &span, &wake);
+                idle = engine.on_claimed(done, &mut handlers);
                 continue;
             }
             Some(_) = handlers.join_next() => continue,
         };
-        let mut permits = vec![first];
-        while permits.len() < batch {
-            match slots.clone().try_acquire_owned() {
-                Ok(p) => permits.push(p),
+        let mut permits = acquired;
+        while permits.num_permits() < batch {
+            match window.clone().try_acquire_owned() {
+                Ok(p) => permits.merge(p),
                 Err(_) => break,
             }
         }
         let q = queue.clone();
+        let freed = engine.freed.load(Ordering::SeqCst);
         claims.spawn(
             async move {
-                let result = q.claim(permits.len()).await;
-                (result, permits)
+                let result = q.claim(permits.num_permits()).await;
+                (result, permits, freed)
             }
             .instrument(span.clone()),
         );
@@ -320,15 +371,7 @@ where
     // get until the deadline.
     let deadline = tokio::time::Instant::now() + options.shutdown_timeout;
     while let Some(done) = claims.join_next().await {
-        on_claimed(
-            done,
-            &queue,
-            &handler,
-            &options,
-            &mut handlers,
-            &span,
-            &wake,
-        );
+        engine.on_claimed(done, &mut handlers);
     }
     let mut report = ShutdownReport::default();
     let waited = tokio::time::timeout_at(deadline, async {
@@ -352,63 +395,60 @@ where
     report
 }
 
-/// Starts a handler task for each claimed row; returns whether the table looked drained (the
-/// claim got fewer rows than it asked for, or failed), so the loop waits for a wake-up or poll.
-fn on_claimed<B, T>(
-    done: Result<Claimed<B, T>, tokio::task::JoinError>,
-    queue: &Queue<B, T>,
-    handler: &Handler<B, T>,
-    options: &Arc<SubscribeOptions>,
-    handlers: &mut JoinSet<()>,
-    span: &tracing::Span,
-    wake: &Arc<Notify>,
-) -> bool
+impl<B, T> Engine<B, T>
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let Ok((result, mut permits)) = done else {
-        tracing::error!(parent: span, "a claim task panicked");
-        return true;
-    };
-    match result {
-        Ok(deliveries) => {
-            let asked = permits.len();
-            let got = deliveries.len();
-            for d in deliveries {
-                let permit = permits.pop().expect("a claim asks for at most its permits");
-                let h = handler.clone();
-                let q = queue.clone();
-                let o = options.clone();
-                handlers.spawn(work(q, d, h, o, permit, wake.clone()).instrument(span.clone()));
+    /// Starts a task for each claimed row (it waits for a slot, then runs the handler); returns
+    /// whether the table looked drained (the claim got fewer rows than it asked for, or failed),
+    /// so the loop waits for a wake-up or poll. Window permits of rows not found go back.
+    fn on_claimed(
+        self: &Arc<Self>,
+        done: Result<Claimed<B, T>, tokio::task::JoinError>,
+        handlers: &mut JoinSet<()>,
+    ) -> bool {
+        let Ok((result, mut permits, freed)) = done else {
+            tracing::error!(parent: &self.span, "a claim task panicked");
+            return true;
+        };
+        match result {
+            Ok(deliveries) => {
+                let asked = permits.num_permits();
+                let got = deliveries.len();
+                for d in deliveries {
+                    let permit = permits
+                        .split(1)
+                        .expect("a claim asks for at most its permits");
+                    let task = work(self.clone(), d, permit);
+                    handlers.spawn(task.instrument(self.span.clone()));
+                }
+                got < asked && self.freed.load(Ordering::SeqCst) == freed
             }
-            got < asked
-        }
-        Err(e) => {
-            Metrics::add(&queue.inner.metrics.claim_errors, 1);
-            tracing::warn!(parent: span, error = %e, "claim failed; trying again after the poll interval");
-            true
+            Err(e) => {
+                Metrics::add(&self.queue.inner.metrics.claim_errors, 1);
+                tracing::warn!(parent: &self.span, error = %e, "claim failed; trying again after the poll interval");
+                true
+            }
         }
     }
 }
 
-/// One delivery in work: renewal alongside the handler, then settlement.
+/// One claimed row: lease renewal from the start, a slot, the handler, then settlement.
 async fn work<B, T>(
-    queue: Queue<B, T>,
+    engine: Arc<Engine<B, T>>,
     mut delivery: Delivery<B, T>,
-    handler: Handler<B, T>,
-    options: Arc<SubscribeOptions>,
-    permit: OwnedSemaphorePermit,
-    wake: Arc<Notify>,
+    held: OwnedSemaphorePermit,
 ) where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let inner = &queue.inner;
-    let _in_work = InWork::enter(&inner.metrics.in_work);
+    let inner = &engine.queue.inner;
+    let options = &engine.options;
     let id = delivery.id();
     let attempt = delivery.attempt();
     let span = tracing::info_span!("delivery", id, attempt);
+    // Renewal starts at the claim: a prefetched row keeps its lease while it waits for a slot.
     let renewal = delivery.lease_cell().map(|cell| {
         let (tx, mut rx) = watch::channel(false);
         let q = inner.clone();
@@ -430,8 +470,15 @@ async fn work<B, T>(
         });
         (tx, task)
     });
+    let slot = engine
+        .slots
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the slot semaphore is never closed");
+    let in_work = InWork::enter(&inner.metrics.in_work);
 
-    let result = CatchUnwind((handler.f)(&mut delivery))
+    let result = CatchUnwind((engine.handler.f)(&mut delivery))
         .instrument(span.clone())
         .await;
 
@@ -467,14 +514,22 @@ async fn work<B, T>(
     if let Err(e) = delivery.settle(outcome).await {
         tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
     }
-    drop(permit);
-    // A settlement can make rows claimable that the last claim had to pass over: the next row
-    // of a FIFO group, rows whose advisory key this delivery held, or this row itself when it
-    // is due again at once. Wake the claim loop instead of leaving them to the next poll.
-    if inner.table.fifo() || inner.table.mode() == ClaimMode::Advisory || outcome == Outcome::Retry
-    {
-        wake.notify_one();
+    drop(in_work);
+    drop(slot);
+    drop(held);
+    // Wake the claim loop for rows this settlement freed instead of leaving them to the next
+    // poll.
+    if frees_rows(&inner.table, outcome) {
+        engine.freed.fetch_add(1, Ordering::SeqCst);
+        engine.wake.notify_one();
     }
+}
+
+/// Whether a settlement can make rows claimable that a claim had to pass over: the next row of
+/// a FIFO group, rows whose advisory key the delivery held, or the row itself when it is due
+/// again at once.
+fn frees_rows(table: &TableDescription, outcome: Outcome) -> bool {
+    table.fifo() || table.mode() == ClaimMode::Advisory || outcome == Outcome::Retry
 }
 
 fn table_half_lease(lease_seconds: u32) -> Duration {

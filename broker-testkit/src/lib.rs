@@ -32,6 +32,7 @@ macro_rules! conformance_suite {
             a_missing_column_is_a_schema_error_naming_it,
             an_unoffered_mode_is_refused_with_what_to_add,
             renewal_keeps_a_handler_that_runs_three_leases,
+            prefetched_rows_keep_their_leases_while_they_wait,
             a_stale_lease_holder_cannot_settle,
             rows_with_one_key_never_overlap_while_other_keys_run,
             a_publish_in_a_rolled_back_transaction_leaves_no_row,

@@ -222,6 +222,52 @@ pub async fn renewal_keeps_a_handler_that_runs_three_leases<D: TestDb>() {
     fx.cleanup().await;
 }
 
+/// A lease claim for a batch larger than the free slots holds the surplus for later: those rows
+/// wait for the one slot longer than their lease, and renewal keeps them from other claims.
+pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
+    let Some(mut fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await else {
+        return;
+    };
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let ids = fx.publish(&q, 3).await;
+    let sub = q.subscribe(
+        SubscribeOptions::new().concurrency(1).batch_size(3),
+        |_job| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(1100)).await;
+                Ok(Outcome::Ack)
+            })
+        },
+    );
+    wait_until("the first handler in work", Duration::from_secs(10), || {
+        let q = q.clone();
+        async move { q.metrics().in_work == 1 }
+    })
+    .await;
+    assert_eq!(q.metrics().claimed, 3, "one claim took the whole batch");
+    // The last row waits two handlers (2.2 s) for its slot, past its 1 s lease.
+    let start = Instant::now();
+    while q.metrics().acked < 3 {
+        assert!(
+            other.claim(1).await.unwrap().is_empty(),
+            "a waiting row's renewed lease holds it"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "three 1.1 s handlers finish well within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(sub.shutdown().await.dropped, 0);
+    let m = q.metrics();
+    assert_eq!((m.acked, m.lease_lost, m.claimed), (3, 0, 3));
+    for id in ids {
+        assert!(q.row_state(id).await.unwrap().is_none());
+    }
+    fx.cleanup().await;
+}
+
 /// In row lock mode the handler writes through the delivery's transaction: the writes commit
 /// with the ack and roll back with a retry.
 pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
