@@ -112,6 +112,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
         id: i64,
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<Sqlite>>> {
+        let _turn = self.keys.write_turn().await;
         let row = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
             .bind(now_ms)
             .bind(id)
@@ -127,6 +128,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
             .settle
             .run(
                 &self.pool,
+                &self.keys,
                 self.table.name(),
                 settle,
                 Fence::Attempt(settle.attempt),

@@ -129,7 +129,7 @@ impl Backend for SqliteBackend {
         version::check(&found)?;
         let prepared = match table.mode() {
             ClaimMode::Lease => {
-                let s = SqliteLease::new(self.pool.clone(), table.clone());
+                let s = SqliteLease::new(self.pool.clone(), table.clone(), self.keys.clone());
                 schema::check(&mut conn, table, &s.statements()).await?;
                 Prepared::Lease(s)
             }

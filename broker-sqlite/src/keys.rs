@@ -1,15 +1,23 @@
-//! The in-process advisory key table: SQLite has no advisory locks, so keys are held in this
-//! process, one table per database file. Two processes on one file do not see each other's keys,
-//! so a row can then be delivered twice (see the crate docs).
+//! What this process shares per database file: the advisory key table and the turn to write.
+//!
+//! SQLite has no advisory locks, so keys are held in this process, one table per database file.
+//! Two processes on one file do not see each other's keys, so a row can then be delivered twice
+//! (see the crate docs).
+//!
+//! SQLite has one writer per file. Writers of this process take turns in a fair in-process queue
+//! instead of meeting in SQLite's busy handler, which sleeps and retries (up to tens of
+//! milliseconds a try) while another connection writes. Other processes on the file still meet
+//! in the busy handler.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-/// The keys held in one database file.
+/// The keys held in one database file, and the turn to write to it.
 #[derive(Debug, Default)]
 pub(crate) struct KeyTable {
     held: Mutex<HashSet<String>>,
+    writes: tokio::sync::Mutex<()>,
 }
 
 impl KeyTable {
@@ -29,6 +37,11 @@ impl KeyTable {
         let t = Arc::new(KeyTable::default());
         tables.insert(id, Arc::downgrade(&t));
         t
+    }
+
+    /// Waits for this process's turn to write to the file; the turn lasts as long as the guard.
+    pub(crate) async fn write_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.writes.lock().await
     }
 
     /// Takes `key` without waiting; `None` when it is held.

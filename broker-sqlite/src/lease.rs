@@ -7,6 +7,7 @@ use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Sqlite, SqlitePool};
 
+use crate::keys::KeyTable;
 use crate::sql::{Fence, SettleStatements, Statements, ident};
 
 /// The lease strategy of one SQLite table.
@@ -14,13 +15,15 @@ use crate::sql::{Fence, SettleStatements, Statements, ident};
 pub struct SqliteLease {
     pool: SqlitePool,
     table: Arc<TableDescription>,
+    /// The file's shared state: writes take turns through it.
+    file: Arc<KeyTable>,
     claim: String,
     renew: String,
     settle: SettleStatements,
 }
 
 impl SqliteLease {
-    pub(crate) fn new(pool: SqlitePool, table: Arc<TableDescription>) -> Self {
+    pub(crate) fn new(pool: SqlitePool, table: Arc<TableDescription>, file: Arc<KeyTable>) -> Self {
         let s = Statements::new(&table);
         let lu = ident(table.locked_until().expect("lease mode has locked_until"));
         // Rows come back from RETURNING in no particular order; the engine does not rely on it.
@@ -45,6 +48,7 @@ impl SqliteLease {
         Self {
             pool,
             table,
+            file,
             claim,
             renew,
             settle,
@@ -74,6 +78,7 @@ impl LeaseStrategy for SqliteLease {
         now_ms: i64,
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<Sqlite>>> {
+        let _turn = self.file.write_turn().await;
         let rows = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
             .bind(now_ms)
             .bind(expires_ms)
@@ -87,6 +92,7 @@ impl LeaseStrategy for SqliteLease {
     }
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
+        let _turn = self.file.write_turn().await;
         let done = sqlx::query(sqlx::AssertSqlSafe(self.renew.clone()))
             .bind(expires_ms)
             .bind(id)
@@ -101,7 +107,13 @@ impl LeaseStrategy for SqliteLease {
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         let changed = self
             .settle
-            .run(&self.pool, self.table.name(), settle, Fence::Lease(token))
+            .run(
+                &self.pool,
+                &self.file,
+                self.table.name(),
+                settle,
+                Fence::Lease(token),
+            )
             .await?;
         Ok(changed == 1)
     }

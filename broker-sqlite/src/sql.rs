@@ -17,6 +17,7 @@ use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::SqlitePool;
 
 use crate::fifo;
+use crate::keys::KeyTable;
 
 /// Quotes an identifier in backticks, a backtick inside doubled. Not in double quotes: SQLite
 /// reads a double-quoted name that matches no column as a string literal, so a misspelt column
@@ -162,10 +163,12 @@ impl SettleStatements {
     pub(crate) async fn run(
         &self,
         pool: &SqlitePool,
+        file: &KeyTable,
         table: &str,
         settle: Settle,
         fence: Fence,
     ) -> Result<u64> {
+        let _turn = file.write_turn().await;
         let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
         // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
         let bind = |sql: &str, value: Option<i64>| {
