@@ -83,10 +83,11 @@ impl SubscribeOptions {
     ///   like the rest within the deadline. A larger batch means fewer claim statements per row
     ///   but more rows held by this process: with slow handlers and several processes, keep it
     ///   near the concurrency.
-    /// - Advisory mode asks for as many rows as there are free slots, up to this: each held key
-    ///   holds a connection on PostgreSQL and MySQL, so rows are never held ahead of a slot. The
-    ///   candidates a read returns beyond those are kept briefly for the next claims.
-    /// - Row lock mode claims one row per transaction, so its claims run side by side instead.
+    /// - Advisory mode locks and takes one key after another, and each held key holds a
+    ///   connection on PostgreSQL and MySQL, so it runs one single-row claim per free slot side
+    ///   by side instead; they share candidate reads (a read returns a few times more rows than
+    ///   it needs, kept briefly for the next claims).
+    /// - Row lock mode claims one row per transaction, so its claims run side by side too.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = Some(n.max(1));
         self
@@ -111,7 +112,8 @@ impl SubscribeOptions {
         self
     }
     /// How many claims may run at once (default: enough to fill every slot, `concurrency /
-    /// batch_size` rounded up; in row lock mode, where each claim takes one row, `concurrency`).
+    /// batch_size` rounded up; in row lock and advisory modes, where each claim takes one row,
+    /// `concurrency`).
     pub fn max_claims_in_flight(mut self, n: usize) -> Self {
         self.max_claims_in_flight = Some(n.max(1));
         self
@@ -271,13 +273,15 @@ where
         }
     };
     let mode = table.mode();
+    // Row lock claims one row per transaction, and an advisory claim locks and takes one key
+    // after another, so those modes run one single-row claim per slot side by side (advisory
+    // claims share their candidate reads); lease claims take a batch in one statement.
     let batch = match mode {
-        ClaimMode::RowLock => 1,
-        _ => options.batch_size.unwrap_or(options.concurrency),
+        ClaimMode::RowLock | ClaimMode::Advisory => 1,
+        ClaimMode::Lease => options.batch_size.unwrap_or(options.concurrency),
     };
-    // Enough claims in flight to fill every slot: one per batch of slots (row lock claims one
-    // row per transaction, so one per slot), and a single one for a single worker, which on
-    // SQLite would only contend with itself for the one writer.
+    // Enough claims in flight to fill every slot: one per batch of slots, and a single one for
+    // a single worker, which on SQLite would only contend with itself for the one writer.
     let max_claims = options.max_claims_in_flight.unwrap_or_else(|| {
         options
             .concurrency
