@@ -232,6 +232,17 @@ type Claimed<B, T> = (
     u64,
 );
 
+/// What the claim loop does after a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// The claim got every row it asked for: keep every claim slot busy.
+    Full,
+    /// The claim came back short while a settlement freed rows: look again with one claim.
+    Probe,
+    /// The claim came back short (or failed): wait for a wake-up or the poll.
+    Drained,
+}
+
 /// What every delivery task of a subscription shares.
 struct Engine<B: Backend, T> {
     queue: Queue<B, T>,
@@ -307,34 +318,39 @@ where
         freed: AtomicU64::new(0),
         span: span.clone(),
     });
-    let mut idle = false;
+    // After a short claim the table looked drained: wait for a wake-up or the poll, then look
+    // again with a single claim, and fill every claim slot again only once a claim comes back
+    // full. Otherwise every wake-up would send all claims after the one row it announced (a
+    // FIFO group's next head), and they would queue on each other's locks.
+    let mut state = Next::Full;
 
     let stopped = |s: &watch::Receiver<bool>, b: &watch::Receiver<bool>| *s.borrow() || *b.borrow();
     loop {
         if stopped(&stop, &broker_stop) {
             break;
         }
-        if idle {
+        if state == Next::Drained {
             tokio::select! {
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(options.poll_interval) => {}
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,
                 Some(done) = claims.join_next() => {
-                    idle = engine.on_claimed(done, &mut handlers);
+                    state = engine.on_claimed(done, &mut handlers);
                     continue;
                 }
                 Some(_) = handlers.join_next() => continue,
             }
-            idle = false;
+            state = Next::Probe;
             continue;
         }
-        if claims.len() >= max_claims {
+        let cap = if state == Next::Probe { 1 } else { max_claims };
+        if claims.len() >= cap {
             tokio::select! {
                 _ = stop.changed() => {}
                 _ = broker_stop.changed() => {}
                 Some(done) = claims.join_next() => {
-                    idle = engine.on_claimed(done, &mut handlers);
+                    state = engine.on_claimed(done, &mut handlers);
                 }
                 Some(_) = handlers.join_next() => {}
             }
@@ -348,7 +364,7 @@ where
             _ = stop.changed() => continue,
             _ = broker_stop.changed() => continue,
             Some(done) = claims.join_next() => {
-                idle = engine.on_claimed(done, &mut handlers);
+                state = engine.on_claimed(done, &mut handlers);
                 continue;
             }
             Some(_) = handlers.join_next() => continue,
@@ -404,17 +420,16 @@ where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    /// Starts a task for each claimed row (it waits for a slot, then runs the handler); returns
-    /// whether the table looked drained (the claim got fewer rows than it asked for, or failed),
-    /// so the loop waits for a wake-up or poll. Window permits of rows not found go back.
+    /// Starts a task for each claimed row (it waits for a slot, then runs the handler), and
+    /// says what the claim loop does next. Window permits of rows not found go back.
     fn on_claimed(
         self: &Arc<Self>,
         done: Result<Claimed<B, T>, tokio::task::JoinError>,
         handlers: &mut JoinSet<()>,
-    ) -> bool {
+    ) -> Next {
         let Ok((result, mut permits, freed)) = done else {
             tracing::error!(parent: &self.span, "a claim task panicked");
-            return true;
+            return Next::Drained;
         };
         match result {
             Ok(deliveries) => {
@@ -427,12 +442,18 @@ where
                     let task = work(self.clone(), d, permit);
                     handlers.spawn(task.instrument(self.span.clone()));
                 }
-                got < asked && self.freed.load(Ordering::SeqCst) == freed
+                if got == asked {
+                    Next::Full
+                } else if self.freed.load(Ordering::SeqCst) != freed {
+                    Next::Probe
+                } else {
+                    Next::Drained
+                }
             }
             Err(e) => {
                 Metrics::add(&self.queue.inner.metrics.claim_errors, 1);
                 tracing::warn!(parent: &self.span, error = %e, "claim failed; trying again after the poll interval");
-                true
+                Next::Drained
             }
         }
     }
