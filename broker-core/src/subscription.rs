@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sqlx::{Database, FromRow};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
@@ -78,9 +78,10 @@ impl SubscribeOptions {
     /// The most rows one claim asks for (at least 1; default: the concurrency).
     ///
     /// - Lease mode prefetches: a claim asks for a whole batch once that many rows fit beside
-    ///   the deliveries in work, so up to `batch_size` claimed rows may wait in the subscription
-    ///   for a free slot. Their leases are renewed while they wait; at shutdown they are started
-    ///   like the rest within the deadline. A larger batch means fewer claim statements per row
+    ///   the deliveries in work and two batches of waiting rows, so the next batch is claimed
+    ///   while the last still feeds the slots, and up to `2 * batch_size` claimed rows may wait
+    ///   in the subscription for a free slot. Their leases are renewed while they wait; at
+    ///   shutdown they are started like the rest within the deadline. A larger batch means fewer claim statements per row
     ///   but more rows held by this process: with slow handlers and several processes, keep it
     ///   near the concurrency.
     /// - Advisory mode locks and takes one key after another, and each held key holds a
@@ -224,13 +225,38 @@ where
     }
 }
 
-/// A finished claim: its deliveries, the window permits it took (one per row asked for), and
-/// the count of freeing settlements when it started.
-type Claimed<B, T> = (
-    crate::Result<Vec<Delivery<B, T>>>,
-    OwnedSemaphorePermit,
-    u64,
-);
+/// What a claim task tells the loop as soon as its claim returns: what to do next, and the
+/// claimed rows beyond the first (the task runs the first itself) for the loop to start.
+struct ClaimReport<B: Backend, T> {
+    next: Next,
+    extras: Vec<(Delivery<B, T>, OwnedSemaphorePermit)>,
+}
+
+/// Sends a claim task's report exactly once: an unsent report goes out (as drained, with no
+/// rows) when the task unwinds, so the loop never waits for a claim that is gone.
+struct Reporter<B: Backend, T> {
+    tx: Option<mpsc::UnboundedSender<ClaimReport<B, T>>>,
+}
+
+impl<B: Backend, T> Reporter<B, T> {
+    fn send(&mut self, report: ClaimReport<B, T>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(report);
+        }
+    }
+}
+
+impl<B: Backend, T> Drop for Reporter<B, T> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            tracing::error!("a claim task ended without a report (it panicked or was cancelled)");
+            let _ = tx.send(ClaimReport {
+                next: Next::Drained,
+                extras: Vec::new(),
+            });
+        }
+    }
+}
 
 /// What the claim loop does after a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,14 +326,25 @@ where
             .clamp(1, options.concurrency)
     });
     // Rows this subscription holds: in work, waiting for a slot, or asked for by a claim in
-    // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode holds a
-    // batch beyond the slots and claims whole batches; a row lock or a key holds a connection,
-    // so those modes hold no more rows than slots.
-    let prefetch = if mode == ClaimMode::Lease { batch } else { 0 };
+    // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode claims
+    // whole batches and holds up to two beyond the slots: the next batch is claimed while the
+    // last one still feeds the slots, and no slot waits for a claim. A row lock or a key holds
+    // a connection, so those modes hold no more rows than slots.
+    let prefetch = if mode == ClaimMode::Lease {
+        2 * batch
+    } else {
+        0
+    };
     let window = Arc::new(Semaphore::new(options.concurrency + prefetch));
     let slots = Arc::new(Semaphore::new(options.concurrency));
-    let mut claims: JoinSet<Claimed<B, T>> = JoinSet::new();
-    let mut handlers: JoinSet<()> = JoinSet::new();
+    // A claim runs in a task of its own, which reports to the loop when the claim returns and
+    // then runs the first claimed row's handler itself: with one row per claim (row lock,
+    // advisory, single workers) a row costs one task and one hand-off, as in a plain loop.
+    // The loop starts the other rows of a batch.
+    let (reports_tx, mut reports) = mpsc::unbounded_channel::<ClaimReport<B, T>>();
+    let mut claims = 0usize;
+    // Each task says whether it ran a delivery.
+    let mut handlers: JoinSet<bool> = JoinSet::new();
     let options = Arc::new(options);
     let engine = Arc::new(Engine {
         queue: queue.clone(),
@@ -335,8 +372,9 @@ where
                 _ = tokio::time::sleep(options.poll_interval) => {}
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,
-                Some(done) = claims.join_next() => {
-                    state = engine.on_claimed(done, &mut handlers);
+                Some(report) = reports.recv() => {
+                    claims -= 1;
+                    state = engine.start_extras(report, &mut handlers);
                     continue;
                 }
                 Some(_) = handlers.join_next() => continue,
@@ -345,12 +383,13 @@ where
             continue;
         }
         let cap = if state == Next::Probe { 1 } else { max_claims };
-        if claims.len() >= cap {
+        if claims >= cap {
             tokio::select! {
                 _ = stop.changed() => {}
                 _ = broker_stop.changed() => {}
-                Some(done) = claims.join_next() => {
-                    state = engine.on_claimed(done, &mut handlers);
+                Some(report) = reports.recv() => {
+                    claims -= 1;
+                    state = engine.start_extras(report, &mut handlers);
                 }
                 Some(_) = handlers.join_next() => {}
             }
@@ -363,8 +402,9 @@ where
             permit = window.clone().acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX)) => permit.expect("the window semaphore is never closed"),
             _ = stop.changed() => continue,
             _ = broker_stop.changed() => continue,
-            Some(done) = claims.join_next() => {
-                state = engine.on_claimed(done, &mut handlers);
+            Some(report) = reports.recv() => {
+                claims -= 1;
+                state = engine.start_extras(report, &mut handlers);
                 continue;
             }
             Some(_) = handlers.join_next() => continue,
@@ -376,12 +416,25 @@ where
                 Err(_) => break,
             }
         }
-        let q = queue.clone();
-        let freed = engine.freed.load(Ordering::SeqCst);
-        claims.spawn(
+        let e = engine.clone();
+        let mut reporter = Reporter {
+            tx: Some(reports_tx.clone()),
+        };
+        claims += 1;
+        handlers.spawn(
             async move {
-                let result = q.claim(permits.num_permits()).await;
-                (result, permits, freed)
+                let freed = e.freed.load(Ordering::SeqCst);
+                let result = e.queue.claim(permits.num_permits()).await;
+                let (next, mut rows) = e.sort_claim(result, permits, freed);
+                let first = (!rows.is_empty()).then(|| rows.remove(0));
+                reporter.send(ClaimReport { next, extras: rows });
+                match first {
+                    Some((d, permit)) => {
+                        work(e, d, permit).await;
+                        true
+                    }
+                    None => false,
+                }
             }
             .instrument(span.clone()),
         );
@@ -390,13 +443,19 @@ where
     // Shutdown: claims in flight finish and their rows are handled like the rest; then handlers
     // get until the deadline.
     let deadline = tokio::time::Instant::now() + options.shutdown_timeout;
-    while let Some(done) = claims.join_next().await {
-        engine.on_claimed(done, &mut handlers);
+    while claims > 0 {
+        let Some(report) = reports.recv().await else {
+            break;
+        };
+        claims -= 1;
+        engine.start_extras(report, &mut handlers);
     }
     let mut report = ShutdownReport::default();
     let waited = tokio::time::timeout_at(deadline, async {
-        while handlers.join_next().await.is_some() {
-            report.finished += 1;
+        while let Some(done) = handlers.join_next().await {
+            if matches!(done, Ok(true)) {
+                report.finished += 1;
+            }
         }
     })
     .await;
@@ -420,42 +479,63 @@ where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    /// Starts a task for each claimed row (it waits for a slot, then runs the handler), and
-    /// says what the claim loop does next. Window permits of rows not found go back.
-    fn on_claimed(
-        self: &Arc<Self>,
-        done: Result<Claimed<B, T>, tokio::task::JoinError>,
-        handlers: &mut JoinSet<()>,
-    ) -> Next {
-        let Ok((result, mut permits, freed)) = done else {
-            tracing::error!(parent: &self.span, "a claim task panicked");
-            return Next::Drained;
-        };
+    /// Pairs each claimed row with a window permit (those of rows not found go back) and says
+    /// what the claim loop does next.
+    #[allow(clippy::type_complexity)]
+    fn sort_claim(
+        &self,
+        result: crate::Result<Vec<Delivery<B, T>>>,
+        mut permits: OwnedSemaphorePermit,
+        freed: u64,
+    ) -> (Next, Vec<(Delivery<B, T>, OwnedSemaphorePermit)>) {
         match result {
             Ok(deliveries) => {
                 let asked = permits.num_permits();
                 let got = deliveries.len();
-                for d in deliveries {
-                    let permit = permits
-                        .split(1)
-                        .expect("a claim asks for at most its permits");
-                    let task = work(self.clone(), d, permit);
-                    handlers.spawn(task.instrument(self.span.clone()));
-                }
-                if got == asked {
+                let rows = deliveries
+                    .into_iter()
+                    .map(|d| {
+                        let permit = permits
+                            .split(1)
+                            .expect("a claim asks for at most its permits");
+                        (d, permit)
+                    })
+                    .collect();
+                let next = if got == asked {
                     Next::Full
                 } else if self.freed.load(Ordering::SeqCst) != freed {
                     Next::Probe
                 } else {
                     Next::Drained
-                }
+                };
+                (next, rows)
             }
             Err(e) => {
                 Metrics::add(&self.queue.inner.metrics.claim_errors, 1);
                 tracing::warn!(parent: &self.span, error = %e, "claim failed; trying again after the poll interval");
-                Next::Drained
+                (Next::Drained, Vec::new())
             }
         }
+    }
+
+    /// Starts a task for each row of a claim beyond its first (it waits for a slot, then runs
+    /// the handler), and passes on what the claim loop does next.
+    fn start_extras(
+        self: &Arc<Self>,
+        report: ClaimReport<B, T>,
+        handlers: &mut JoinSet<bool>,
+    ) -> Next {
+        for (d, permit) in report.extras {
+            let task = work(self.clone(), d, permit);
+            handlers.spawn(
+                async move {
+                    task.await;
+                    true
+                }
+                .instrument(self.span.clone()),
+            );
+        }
+        report.next
     }
 }
 
@@ -473,44 +553,46 @@ async fn work<B, T>(
     let id = delivery.id();
     let attempt = delivery.attempt();
     let span = tracing::info_span!("delivery", id, attempt);
-    // Renewal starts at the claim: a prefetched row keeps its lease while it waits for a slot.
-    let renewal = delivery.lease_cell().map(|cell| {
-        let (tx, mut rx) = watch::channel(false);
-        let q = inner.clone();
+    // Renewal runs beside the slot wait and the handler, in this task: it starts at the claim,
+    // so a prefetched row keeps its lease while it waits for a slot. A renewal statement is
+    // never cancelled: when the handler ends mid-statement, the statement finishes first.
+    let stop_renewal = Notify::new();
+    let lease = delivery.lease_cell();
+    let renewal = async {
+        let Some(cell) = lease else {
+            return;
+        };
         let half = table_half_lease(inner.table.lease_seconds());
-        let task = tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(half) => {}
-                    _ = rx.changed() => return,
-                }
-                // The renewal statement itself is never cancelled: stopping waits for it.
-                if let Err(e) = renew_lease(&q, id, &cell).await {
-                    tracing::warn!(table = q.name(), id, error = %e, "lease renewal failed");
-                    if cell.is_lost() {
-                        return;
-                    }
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(half) => {}
+                _ = stop_renewal.notified() => return,
+            }
+            if let Err(e) = renew_lease(inner, id, &cell).await {
+                tracing::warn!(table = inner.name(), id, error = %e, "lease renewal failed");
+                if cell.is_lost() {
+                    return;
                 }
             }
-        });
-        (tx, task)
-    });
-    let slot = engine
-        .slots
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("the slot semaphore is never closed");
-    let in_work = InWork::enter(&inner.metrics.in_work);
+        }
+    };
+    let running = async {
+        let slot = engine
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the slot semaphore is never closed");
+        let in_work = InWork::enter(&inner.metrics.in_work);
+        let result = CatchUnwind((engine.handler.f)(&mut delivery))
+            .instrument(span.clone())
+            .await;
+        // Stored if the renewal is mid-statement; it stops after that statement.
+        stop_renewal.notify_one();
+        (result, slot, in_work)
+    };
+    let ((result, slot, in_work), ()) = tokio::join!(running, renewal);
 
-    let result = CatchUnwind((engine.handler.f)(&mut delivery))
-        .instrument(span.clone())
-        .await;
-
-    if let Some((tx, task)) = renewal {
-        tx.send_replace(true);
-        let _ = task.await;
-    }
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
         if d.is_zero() || inner.table.due_at().is_none() {
