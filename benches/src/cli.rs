@@ -15,7 +15,8 @@ and writes benches/results/<quick|full>.md and .svg (<profile>-partial.* when fi
 
 options:
   --quick               a short run (about a minute and a half on 2 cores)
-  --full                the long default run (more rows, 3 repetitions, median reported)
+  --full                the long default run (3,000 rows, 3 repetitions, median reported;
+                        about 25 minutes on 2 cores)
   --db LIST             databases: sqlite,postgres,mariadb (default: all)
   --mode LIST           claim modes: rowlock,lease,advisory (default: all)
   --workers LIST        worker counts of plain tables (default: 1,4,8)
@@ -80,9 +81,9 @@ impl Profile {
     pub fn full() -> Self {
         Self {
             name: "full",
-            rows: 5000,
+            rows: 3000,
             reps: 3,
-            cap: Duration::from_secs(30),
+            cap: Duration::from_secs(15),
             publish_single: 3000,
             publish_batched: 30_000,
             publish_batch: 100,

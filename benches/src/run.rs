@@ -49,6 +49,28 @@ fn load_average() -> Option<String> {
     s.split_whitespace().next().map(str::to_owned)
 }
 
+/// The CPU model and memory, where the platform tells (Linux).
+fn machine() -> Option<String> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let model = cpu
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))?
+        .trim_start_matches([' ', '\t', ':'])
+        .to_owned();
+    let mem = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = mem
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(format!(
+        "{model}, {} GiB",
+        (kib + 512 * 1024) / (1024 * 1024)
+    ))
+}
+
 /// Runs what `options` select; `log` gets a line per finished measurement.
 pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxError> {
     let started = Instant::now();
@@ -60,6 +82,16 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
         profile: profile.name.to_owned(),
         ..Report::default()
     };
+    let mut servers = Vec::new();
+    for target in &targets {
+        match target.server().await {
+            Ok(s) => servers.push(s),
+            Err(e) => servers.push(format!(
+                "{}: settings unreadable ({e})",
+                target.db().label()
+            )),
+        }
+    }
     let result = async {
         for target in &targets {
             let db = target.db();
@@ -157,7 +189,8 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
     let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
     report.notes = vec![
         format!(
-            "machine: {cores} cores; 1-minute load average {} at start, {} at end (other builds and tests may have been running)",
+            "machine: {cores} cores ({}); 1-minute load average {} at start, {} at end (other builds and tests may have been running)",
+            machine().unwrap_or_else(|| "?".into()),
             load_start.unwrap_or_else(|| "?".into()),
             load_average().unwrap_or_else(|| "?".into())
         ),
@@ -167,6 +200,7 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
             profile.reps,
             profile.cap.as_secs_f64()
         ),
+        format!("servers (same machine, loopback): {}", servers.join("; ")),
         "pools: the backends' `connect` defaults (PostgreSQL and MariaDB 16 connections, SQLite 8), shared by both sides".into(),
         "tables: a text payload and a due-time column, plus `locked_until` (lease), a key column with the template `k-{k}` over 1024 keys (advisory), or a group column with `fifo(true)` (FIFO, rows spread round-robin over the groups); acks delete rows".into(),
     ];

@@ -118,6 +118,66 @@ impl Target {
         })
     }
 
+    /// The server's version and the settings that decide what a commit costs (durability:
+    /// every figure here is with fsync on).
+    pub async fn server(&self) -> Result<String, BoxError> {
+        Ok(match self {
+            Target::Sqlite { broker, .. } => {
+                let pool = broker.pool();
+                let version: String = sqlx::query_scalar("SELECT sqlite_version()")
+                    .fetch_one(pool)
+                    .await?;
+                let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+                    .fetch_one(pool)
+                    .await?;
+                let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                    .fetch_one(pool)
+                    .await?;
+                let sync = match sync {
+                    0 => "OFF",
+                    1 => "NORMAL",
+                    2 => "FULL",
+                    3 => "EXTRA",
+                    _ => "?",
+                };
+                format!("SQLite {version}: journal_mode {journal}, synchronous {sync}")
+            }
+            Target::Postgres(broker) => {
+                let pool = broker.pool();
+                let mut out = vec![];
+                for setting in [
+                    "server_version",
+                    "fsync",
+                    "synchronous_commit",
+                    "full_page_writes",
+                    "shared_buffers",
+                ] {
+                    let value: String =
+                        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
+                            .fetch_one(pool)
+                            .await?;
+                    out.push(format!("{setting} {value}"));
+                }
+                format!("PostgreSQL: {}", out.join(", "))
+            }
+            Target::MariaDb(broker) => {
+                let pool = broker.pool();
+                let (version, flush, binlog, doublewrite, buffer): (String, i64, i64, i64, i64) =
+                    sqlx::query_as(
+                        "SELECT version(), CAST(@@innodb_flush_log_at_trx_commit AS SIGNED), \
+                         CAST(@@log_bin AS SIGNED), CAST(@@innodb_doublewrite AS SIGNED), \
+                         CAST(@@innodb_buffer_pool_size AS SIGNED)",
+                    )
+                    .fetch_one(pool)
+                    .await?;
+                format!(
+                    "MariaDB/MySQL {version}: innodb_flush_log_at_trx_commit {flush}, log_bin {binlog}, innodb_doublewrite {doublewrite}, innodb_buffer_pool_size {} MiB",
+                    buffer / (1024 * 1024)
+                )
+            }
+        })
+    }
+
     /// The database.
     pub fn db(&self) -> Db {
         match self {
