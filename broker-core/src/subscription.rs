@@ -81,9 +81,10 @@ impl SubscribeOptions {
     ///   the deliveries in work and two batches of waiting rows, so the next batch is claimed
     ///   while the last still feeds the slots, and up to `2 * batch_size` claimed rows may wait
     ///   in the subscription for a free slot. Their leases are renewed while they wait; at
-    ///   shutdown they are started like the rest within the deadline. A larger batch means fewer claim statements per row
-    ///   but more rows held by this process: with slow handlers and several processes, keep it
-    ///   near the concurrency.
+    ///   shutdown they are started like the rest within the deadline. A larger batch means
+    ///   fewer claim statements per row but more rows held by this process: with slow handlers
+    ///   and several processes, keep it near the concurrency. FIFO tables do not prefetch (a
+    ///   claim made while a group's head is in work finds nothing in that group).
     /// - Advisory mode locks and takes one key after another, and each held key holds a
     ///   connection on PostgreSQL and MySQL, so it runs one single-row claim per free slot side
     ///   by side instead; they share candidate reads (a read returns a few times more rows than
@@ -261,10 +262,9 @@ impl<B: Backend, T> Drop for Reporter<B, T> {
 /// What the claim loop does after a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Next {
-    /// The claim got every row it asked for: keep every claim slot busy.
-    Full,
-    /// The claim came back short while a settlement freed rows: look again with one claim.
-    Probe,
+    /// The claim got every row it asked for, or came back short while a settlement freed rows:
+    /// keep every claim slot busy.
+    More,
     /// The claim came back short (or failed): wait for a wake-up or the poll.
     Drained,
 }
@@ -329,8 +329,10 @@ where
     // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode claims
     // whole batches and holds up to two beyond the slots: the next batch is claimed while the
     // last one still feeds the slots, and no slot waits for a claim. A row lock or a key holds
-    // a connection, so those modes hold no more rows than slots.
-    let prefetch = if mode == ClaimMode::Lease {
+    // a connection, so those modes hold no more rows than slots. Neither do FIFO tables: while
+    // a group's head is in work a claim finds nothing in that group, so claims beside the rows
+    // in work mostly come back empty, having scanned the group and contended with the others.
+    let prefetch = if mode == ClaimMode::Lease && !table.fifo() {
         2 * batch
     } else {
         0
@@ -355,11 +357,13 @@ where
         freed: AtomicU64::new(0),
         span: span.clone(),
     });
-    // After a short claim the table looked drained: wait for a wake-up or the poll, then look
-    // again with a single claim, and fill every claim slot again only once a claim comes back
-    // full. Otherwise every wake-up would send all claims after the one row it announced (a
-    // FIFO group's next head), and they would queue on each other's locks.
-    let mut state = Next::Full;
+    // After a short claim the table looked drained: wait for a wake-up or the poll. Otherwise
+    // every claim slot stays busy, even where most claims come back empty (a FIFO group has one
+    // claimable head at a time): claims started at different moments overlap the head's
+    // settlement at different points, so one of them usually takes the next head right away.
+    // One claim at a time would make every row wait out a whole claim (measured: 0.14 of the
+    // raw loop on a one-group lease table).
+    let mut state = Next::More;
 
     let stopped = |s: &watch::Receiver<bool>, b: &watch::Receiver<bool>| *s.borrow() || *b.borrow();
     loop {
@@ -379,11 +383,10 @@ where
                 }
                 Some(_) = handlers.join_next() => continue,
             }
-            state = Next::Probe;
+            state = Next::More;
             continue;
         }
-        let cap = if state == Next::Probe { 1 } else { max_claims };
-        if claims >= cap {
+        if claims >= max_claims {
             tokio::select! {
                 _ = stop.changed() => {}
                 _ = broker_stop.changed() => {}
@@ -501,10 +504,8 @@ where
                         (d, permit)
                     })
                     .collect();
-                let next = if got == asked {
-                    Next::Full
-                } else if self.freed.load(Ordering::SeqCst) != freed {
-                    Next::Probe
+                let next = if got == asked || self.freed.load(Ordering::SeqCst) != freed {
+                    Next::More
                 } else {
                     Next::Drained
                 };
