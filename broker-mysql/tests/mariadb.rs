@@ -8,16 +8,17 @@ mod common;
 use std::time::{Duration, Instant, SystemTime};
 
 use broker_core::{
-    Broker, ClaimMode, ColumnType, Delivery, NewJob, Outcome, Queue, SqlxBrokerError,
-    SubscribeOptions, TableDescription,
+    Broker, ClaimMode, ColumnType, NewJob, Outcome, SqlxBrokerError, SubscribeOptions,
+    TableDescription,
 };
 use broker_mysql::{MySqlBackend, lock_name};
-use broker_testkit::{Fixture, Job, JobText, describe, unique_name, wait_until};
+use broker_testkit::{
+    Fixture, Job, JobText, claim_one, claim_within, describe, unique_name, wait_until,
+};
 use common::MySql;
 use sqlx::{AssertSqlSafe, Executor};
 
 type Fx = Fixture<MySql>;
-type Q = Queue<MySqlBackend, Job>;
 
 async fn fixture(
     mode: ClaimMode,
@@ -26,20 +27,6 @@ async fn fixture(
     Fixture::<MySql>::new(mode, tweak)
         .await
         .expect("MySQL and MariaDB offer every mode")
-}
-
-async fn claim_one(q: &Q) -> Delivery<MySqlBackend, Job> {
-    let start = Instant::now();
-    loop {
-        if let Some(d) = q.claim(1).await.expect("claim").pop() {
-            return d;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "no row came within 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Waits (up to 5 s) until none of `keys` is held by any session and the broker's sessions sit
@@ -156,17 +143,12 @@ async fn killing_a_row_lock_deliverys_connection_returns_the_row_at_once_without
         .execute(AssertSqlSafe(format!("KILL CONNECTION {connection}")))
         .await
         .unwrap();
-    let killed = Instant::now();
-    let again = loop {
-        if let Some(d) = other.claim(1).await.unwrap().pop() {
-            break d;
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(5),
-            "the killed transaction's row came back at once"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let again = claim_within(
+        &other,
+        Duration::from_secs(5),
+        "the killed transaction's row to come back",
+    )
+    .await;
     assert_eq!(again.id(), id);
     assert_eq!(again.attempt(), 1, "the rollback used no attempt");
     assert_eq!(q.row_state(id).await.unwrap().unwrap().attempt, 1);
@@ -563,17 +545,7 @@ async fn killing_a_key_connection_frees_the_key_and_the_stale_delivery_cannot_se
         .execute(AssertSqlSafe(format!("KILL CONNECTION {holder}")))
         .await
         .unwrap();
-    let start = Instant::now();
-    let fresh = loop {
-        if let Some(d) = other.claim(1).await.unwrap().pop() {
-            break d;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "the key was freed"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let fresh = claim_within(&other, Duration::from_secs(5), "the key to be freed").await;
     assert_eq!(
         (fresh.id(), fresh.attempt()),
         (id, 2),

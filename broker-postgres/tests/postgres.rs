@@ -11,7 +11,7 @@ use broker_core::{
     ClaimMode, ColumnType, Outcome, SqlxBrokerError, SubscribeOptions, TableDescription,
 };
 use broker_postgres::{ErrorClass, classify};
-use broker_testkit::{Fixture, Job, JobText, wait_until};
+use broker_testkit::{Fixture, Job, JobText, claim_one, wait_until};
 use common::{Pg, app_name};
 use sqlx::{Connection, Executor};
 
@@ -76,22 +76,6 @@ mod case {
         Fixture::<Pg>::new(mode, |b| b)
             .await
             .expect("PostgreSQL offers every mode")
-    }
-
-    async fn claim_one(
-        q: &broker_core::Queue<broker_postgres::PgBackend, Job>,
-    ) -> broker_core::Delivery<broker_postgres::PgBackend, Job> {
-        let start = Instant::now();
-        loop {
-            if let Some(d) = q.claim(1).await.expect("claim").pop() {
-                return d;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "no row came within 10 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 
     async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {

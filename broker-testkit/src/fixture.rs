@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use broker_core::strategy::alias;
 use broker_core::{
-    Backend, Broker, ClaimMode, ColumnType, NewJob, Queue, SqlxBrokerError, TableBuilder,
+    Backend, Broker, ClaimMode, ColumnType, Delivery, NewJob, Queue, SqlxBrokerError, TableBuilder,
     TableDescription,
 };
 use sqlx::{ColumnIndex, Database, Decode, Encode, FromRow, Row, Type};
@@ -157,6 +157,35 @@ where
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Claims one delivery from `queue`, polling every 20 ms until one comes; panics naming `what`
+/// after `limit`.
+pub async fn claim_within<B, T>(queue: &Queue<B, T>, limit: Duration, what: &str) -> Delivery<B, T>
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(d) = queue.claim(1).await.expect("claim").pop() {
+            return d;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "gave up after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Claims one delivery, waiting up to 10 s until one is due.
+pub async fn claim_one<B, T>(queue: &Queue<B, T>) -> Delivery<B, T>
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    claim_within(queue, Duration::from_secs(10), "a claimable row").await
 }
 
 /// One case's database, broker and table.

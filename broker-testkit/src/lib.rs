@@ -18,7 +18,8 @@ pub(crate) mod fixture;
 pub mod history;
 
 pub use fixture::{
-    DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, describe, report, unique_name, wait_until,
+    DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, claim_one, claim_within, describe, report,
+    unique_name, wait_until,
 };
 
 /// Stamps one `#[tokio::test]` per conformance case for the [`TestDb`] type `$db`.

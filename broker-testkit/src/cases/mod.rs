@@ -18,23 +18,11 @@ pub use faults::*;
 pub use lifecycle::*;
 pub use settle::*;
 
-use std::time::Duration;
-
 use broker_core::{Delivery, Queue};
 
 use crate::TestDb;
 
 /// Claims one delivery, waiting (bounded) until one is due.
 pub(crate) async fn claim_one<D: TestDb>(queue: &Queue<D::B, D::Job>) -> Delivery<D::B, D::Job> {
-    let start = std::time::Instant::now();
-    loop {
-        if let Some(d) = queue.claim(1).await.expect("claim").pop() {
-            return d;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "gave up after 10 s waiting for a claimable row"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    crate::claim_one(queue).await
 }
