@@ -24,6 +24,7 @@ pub type PgBroker = Broker<PgBackend>;
 #[derive(Debug, Clone)]
 pub struct PgBackend {
     pool: PgPool,
+    notifier: Arc<notify::Notifier>,
 }
 
 impl PgBackend {
@@ -31,7 +32,10 @@ impl PgBackend {
     /// row lock and advisory deliveries each hold a connection while in work, and each
     /// subscription listens on one.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            notifier: Arc::default(),
+        }
     }
 
     /// Opens a pool of up to 16 connections on `url` (e.g.
@@ -141,7 +145,7 @@ async fn publish_chunk<P>(
     table: &TableDescription,
     plan: &PublishPlan,
     slots: &[Slot],
-    channel: &str,
+    channel: Option<&str>,
     jobs: &[NewJob<P>],
 ) -> Result<Vec<i64>, sqlx::Error>
 where
@@ -162,21 +166,28 @@ where
         })
         .collect();
     let id = ident(table.id());
-    // The notification rides in the statement that inserts: PostgreSQL sends it when the
-    // insert's transaction commits, and never when it rolls back.
-    let sql = format!(
-        "WITH sqlx_broker_ins AS (INSERT INTO {t} ({cols}) VALUES {rows} RETURNING {id}), \
-         sqlx_broker_wake AS (SELECT pg_notify($1::text, '')) \
-         SELECT sqlx_broker_ins.{id}::int8 FROM sqlx_broker_ins CROSS JOIN sqlx_broker_wake ORDER BY 1",
-        t = ident(table.name()),
-        cols = plan
-            .columns()
-            .iter()
-            .map(|c| ident(c))
-            .collect::<Vec<_>>()
-            .join(", "),
-        rows = rows.join(", "),
-    );
+    let cols = plan
+        .columns()
+        .iter()
+        .map(|c| ident(c))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let t = ident(table.name());
+    let rows = rows.join(", ");
+    // With a channel, the notification rides in the statement that inserts: PostgreSQL sends it
+    // when the insert's transaction commits, and never when it rolls back. `$1` is bound either
+    // way, so the parameter numbers do not depend on it.
+    let sql = match channel {
+        Some(_) => format!(
+            "WITH sqlx_broker_ins AS (INSERT INTO {t} ({cols}) VALUES {rows} RETURNING {id}), \
+             sqlx_broker_wake AS (SELECT pg_notify($1::text, '')) \
+             SELECT sqlx_broker_ins.{id}::int8 FROM sqlx_broker_ins CROSS JOIN sqlx_broker_wake ORDER BY 1"
+        ),
+        None => format!(
+            "WITH sqlx_broker_ins AS (INSERT INTO {t} ({cols}) VALUES {rows} RETURNING {id}) \
+             SELECT sqlx_broker_ins.{id}::int8 FROM sqlx_broker_ins WHERE $1::text IS NULL ORDER BY 1"
+        ),
+    };
     let mut q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).bind(channel);
     for job in jobs {
         q = q.bind(job.payload());
@@ -261,27 +272,39 @@ impl Backend for PgBackend {
             return Ok(Vec::new());
         }
         let slots = slots(table, &plan);
-        let channel = notify::channel(table.name());
+        let notifier = self.notifier.table(&self.pool, table.name());
+        // Inside the caller's transaction the insert may carry the notification (see
+        // `notify`); on its own, it commits at once and the notifier follows it.
+        let in_caller_tx = conn.is_in_transaction();
+        let channel = (in_caller_tx && notifier.take_leading_edge()).then(|| notifier.channel());
         let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
         // Stay well under PostgreSQL's 65535 bound parameters per statement.
         let per_statement = (60_000 / plan.width()).clamp(1, 1000);
-        if jobs.len() <= per_statement {
-            return publish_chunk(conn, table, &plan, &slots, &channel, jobs)
+        let ids = if jobs.len() <= per_statement {
+            publish_chunk(conn, table, &plan, &slots, channel, jobs)
                 .await
-                .map_err(err);
+                .map_err(err)?
+        } else {
+            // Several statements: one transaction (a savepoint inside the caller's), so the
+            // batch lands whole or not at all.
+            let mut tx = conn.begin().await.map_err(err)?;
+            let mut ids = Vec::with_capacity(jobs.len());
+            for (i, chunk) in jobs.chunks(per_statement).enumerate() {
+                let channel = channel.filter(|_| i == 0);
+                ids.extend(
+                    publish_chunk(&mut tx, table, &plan, &slots, channel, chunk)
+                        .await
+                        .map_err(err)?,
+                );
+            }
+            tx.commit().await.map_err(err)?;
+            ids
+        };
+        if in_caller_tx {
+            notifier.poke_after_window();
+        } else {
+            notifier.poke();
         }
-        // Several statements: one transaction (a savepoint inside the caller's), so the batch
-        // lands whole or not at all.
-        let mut tx = conn.begin().await.map_err(err)?;
-        let mut ids = Vec::with_capacity(jobs.len());
-        for chunk in jobs.chunks(per_statement) {
-            ids.extend(
-                publish_chunk(&mut tx, table, &plan, &slots, &channel, chunk)
-                    .await
-                    .map_err(err)?,
-            );
-        }
-        tx.commit().await.map_err(err)?;
         Ok(ids)
     }
 

@@ -68,9 +68,14 @@
 //!   once a column is added), so adding a column does not disturb running subscriptions; handlers
 //!   see it after the next subscribe. A dead-letter table needs the queue table's columns (the DDL
 //!   helper makes it so); add a new column to both.
-//! - **Wake-ups**: a publish notifies the table's channel (`sqlx_broker_` and a hash of the
-//!   table name) in the inserting statement, so other processes' subscriptions wake when it
-//!   commits. Notifications can be lost; the poll interval is the fallback.
+//! - **Wake-ups**: publishes notify the table's channel (`sqlx_broker_` and a hash of the
+//!   table name), coalesced: at most one notification per table per 10 ms leaves a process, one
+//!   at once after a quiet spell and one at the end of a busy window, because every transaction
+//!   that notifies takes one global lock at commit (a notification in every insert serialises
+//!   all publishers). A publish on the pool notifies after its insert committed; a publish inside
+//!   your transaction carries the notification in its insert (delivered at your commit, never on
+//!   rollback) unless another one of this process did within the window. Notifications can be
+//!   lost, and rows inserted by your own SQL notify nobody: the poll interval is the fallback.
 //! - **FIFO**: a claim takes only the head of each group, under a transaction-level advisory
 //!   lock on the hash of table and group, so brokers on different hosts keep a group's order. A
 //!   head that keeps failing blocks its group until `max_attempts` dead-letters it. Ids come from

@@ -1,12 +1,29 @@
-//! Cross-process wake-ups with `LISTEN/NOTIFY`. A publish notifies the table's channel in the
-//! statement that inserts (PostgreSQL delivers a notification when its transaction commits, so a
-//! publish in a transaction that rolls back wakes nobody); each subscription listens on a
-//! connection of the pool and wakes its claim loop per notification.
+//! Cross-process wake-ups with `LISTEN/NOTIFY`: each subscription listens on a connection of the
+//! pool and wakes its claim loop per notification; publishes notify, coalesced per table.
+//!
+//! # Why publishes do not notify one by one
+//! Every transaction that issued a `NOTIFY` takes one global lock at commit, so a notification in
+//! every insert serialises the commits of all publishers (measured here: the same INSERT from 8
+//! clients at 12.0k tps alone, 4.6k tps with `pg_notify` in it). A [`Notifier`] sends at most one
+//! notification per table per [`WINDOW`] from this process, with a leading and a trailing edge:
+//! - a publish on a pool connection (autocommit) inserts without notifying and then pokes the
+//!   table's notifier, which notifies at once when it has been quiet, and otherwise once more at
+//!   the end of the window, after every publish of the burst committed;
+//! - a publish inside the caller's transaction puts `pg_notify` in its insert (delivered when the
+//!   transaction commits, never when it rolls back) only when no other such insert of this
+//!   process did within the window, and pokes the notifier one window later for the rest. So of
+//!   several transactions that publish within one window, the first carries the notification;
+//!   one of the others that commits more than a window after it is found by the subscriptions'
+//!   next claim or poll (or at once in this process after
+//!   [`Queue::wake`](broker_core::Queue::wake)). This is the price of not serialising commits.
 //!
 //! Notifications can be lost (a dropped connection, a full queue): the poll stays the
 //! correctness path, and a listener that reconnects wakes its subscription once to cover the gap.
+//! Rows inserted by the user's own SQL notify nobody; the poll finds them.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use broker_core::{Result, SqlxBrokerError, TableDescription};
@@ -22,6 +39,128 @@ pub(crate) fn channel(table: &str) -> String {
     let digest = Sha256::digest(table.as_bytes());
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     format!("sqlx_broker_{hex}")
+}
+
+/// The longest a notification of a burst of publishes waits: at most one notification per table
+/// per window leaves this process. Short against the poll interval, long against a commit.
+pub(crate) const WINDOW: Duration = Duration::from_millis(10);
+
+/// Coalesced `NOTIFY`s of this process, one task per table that was published to.
+#[derive(Debug, Default)]
+pub(crate) struct Notifier {
+    tables: Mutex<HashMap<String, Arc<TableNotifier>>>,
+}
+
+/// The notification state of one table's channel.
+#[derive(Debug)]
+pub(crate) struct TableNotifier {
+    channel: String,
+    /// A publish happened that no notification has covered yet.
+    dirty: AtomicBool,
+    poke: tokio::sync::Notify,
+    /// When an insert in a caller's transaction last carried a notification, host unix ms.
+    last_in_tx_ms: AtomicI64,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Notifier {
+    /// The table's notifier, its task started on first use.
+    pub(crate) fn table(&self, pool: &PgPool, table: &str) -> Arc<TableNotifier> {
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = tables.get(table) {
+            return t.clone();
+        }
+        let t = Arc::new(TableNotifier {
+            channel: channel(table),
+            dirty: AtomicBool::new(false),
+            poke: tokio::sync::Notify::new(),
+            last_in_tx_ms: AtomicI64::new(i64::MIN / 2),
+            task: Mutex::new(None),
+        });
+        let task = tokio::spawn(notify_loop(t.clone(), pool.clone()));
+        *t.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        tables.insert(table.to_owned(), t.clone());
+        t
+    }
+}
+
+impl Drop for Notifier {
+    fn drop(&mut self) {
+        for t in self
+            .tables
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            if let Some(task) = t.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl TableNotifier {
+    /// The channel.
+    pub(crate) fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// Asks for a notification: at once when the channel was quiet for a window, else at the
+    /// end of the current window.
+    pub(crate) fn poke(&self) {
+        self.dirty.store(true, Ordering::SeqCst);
+        self.poke.notify_one();
+    }
+
+    /// Whether an insert inside a caller's transaction should carry the notification itself:
+    /// only when no other such insert of this process carried one within the window (the
+    /// caller's commit delivers it). A notification the notifier sent does not count: it covers
+    /// rows committed before it, not a transaction still open. Claims the window when it says yes.
+    pub(crate) fn take_leading_edge(&self) -> bool {
+        let now = broker_core::clock::now_ms();
+        let window = i64::try_from(WINDOW.as_millis()).unwrap_or(i64::MAX);
+        let last = self.last_in_tx_ms.load(Ordering::SeqCst);
+        now.saturating_sub(last) >= window
+            && self
+                .last_in_tx_ms
+                .compare_exchange(last, now, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+    }
+
+    /// A poke one window from now, for publishes inside a caller's transaction: by then the
+    /// transaction has usually committed.
+    pub(crate) fn poke_after_window(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(WINDOW).await;
+            if let Some(me) = me.upgrade() {
+                me.poke();
+            }
+        });
+    }
+}
+
+/// Sends the table's notifications: one at once when poked after a quiet window, then at most
+/// one per window while pokes keep coming. Ends when the pool closes, or is aborted when the
+/// backend's notifier drops.
+async fn notify_loop(t: Arc<TableNotifier>, pool: PgPool) {
+    loop {
+        if !t.dirty.swap(false, Ordering::SeqCst) {
+            t.poke.notified().await;
+            continue;
+        }
+        let sent = sqlx::query("SELECT pg_notify($1::text, '')")
+            .bind(t.channel.as_str())
+            .execute(&pool)
+            .await;
+        match sent {
+            Ok(_) => {}
+            Err(sqlx::Error::PoolClosed) => return,
+            // A lost notification is covered by the subscriptions' poll.
+            Err(e) => tracing::debug!(error = %e, "a coalesced NOTIFY failed; subscriptions poll"),
+        }
+        tokio::time::sleep(WINDOW).await;
+    }
 }
 
 /// Whether two statements on one connection reach one server session. Behind a

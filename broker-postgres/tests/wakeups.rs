@@ -1,0 +1,195 @@
+//! Cross-process wake-ups under load: publishes are coalesced into few notifications (a NOTIFY
+//! in every insert serialises commits), yet a subscription in another process that waits on a
+//! poll far longer than the test's bound still picks up every row, from pool publishes and from
+//! publishes inside callers' transactions. Every wait is bounded.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use broker_core::{ClaimMode, Outcome, SubscribeOptions};
+use broker_testkit::{Fixture, wait_until};
+use common::Pg;
+use sha2::{Digest, Sha256};
+use sqlx::postgres::PgListener;
+
+/// The table's channel, as the backend names it (`sqlx_broker_` and 16 hex digits of the
+/// SHA-256 of the table name).
+fn channel(table: &str) -> String {
+    let digest = Sha256::digest(table.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("sqlx_broker_{hex}")
+}
+
+/// What the test saw, in the order it saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    /// A publish (or the commit of a transaction that published) returned.
+    Published,
+    /// A notification arrived on the table's channel.
+    Notified,
+}
+
+type Log = Arc<Mutex<Vec<Event>>>;
+
+fn log(events: &Log, e: Event) {
+    events.lock().unwrap().push(e);
+}
+
+/// Logs every notification on `channel`, in a task of its own.
+async fn listen(url: &str, channel: &str, events: Log) -> tokio::task::JoinHandle<()> {
+    let mut listener = PgListener::connect(url)
+        .await
+        .expect("connect the listener");
+    listener.listen(channel).await.expect("LISTEN");
+    tokio::spawn(async move {
+        while let Ok(Some(_)) = listener.try_recv().await {
+            log(&events, Event::Notified);
+        }
+    })
+}
+
+/// Waits (bounded) until a notification arrives after the last publish: the burst's trailing
+/// notification, which covers the rows published after the previous one.
+async fn trailing_notification(events: &Log) {
+    wait_until(
+        "a notification after the last publish",
+        Duration::from_secs(10),
+        || {
+            let events = events.clone();
+            async move {
+                let events = events.lock().unwrap();
+                let last = events.iter().rposition(|e| *e == Event::Published);
+                last.is_some_and(|i| events[i..].contains(&Event::Notified))
+            }
+        },
+    )
+    .await;
+}
+
+fn count(events: &Log, e: Event) -> usize {
+    events.lock().unwrap().iter().filter(|x| **x == e).count()
+}
+
+/// A subscription that only a notification (or a claim it makes anyway) can wake within the
+/// test's bounds: its poll is an hour.
+fn deaf_to_polls() -> SubscribeOptions {
+    SubscribeOptions::new()
+        .concurrency(4)
+        .poll_interval(Duration::from_secs(3600))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
+    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let q = fx.queue().await;
+    let elsewhere = fx.other_queue().await;
+    let events = Log::default();
+    let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
+    let sub = q.subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }));
+    // Let the subscription find the table empty and go idle.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Eight publishers, one row per publish, as a busy service writes jobs.
+    const PER_TASK: usize = 50;
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let elsewhere = elsewhere.clone();
+        let jobs: Vec<_> = (0..PER_TASK).map(|i| fx.job(t * PER_TASK + i)).collect();
+        let events = events.clone();
+        tasks.push(tokio::spawn(async move {
+            for job in jobs {
+                elsewhere.publish(job).await.expect("publish");
+                log(&events, Event::Published);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // A tail of publishes back to back from one task: whether the first of them opens a window
+    // or falls into one, the last ones fall into a window and only its trailing notification
+    // covers them.
+    const TAIL: usize = 5;
+    for i in 0..TAIL {
+        elsewhere.publish(fx.job(8 * PER_TASK + i)).await.expect("publish");
+        log(&events, Event::Published);
+    }
+    let published = 8 * PER_TASK + TAIL;
+    trailing_notification(&events).await;
+    wait_until(
+        "every published row acked by the other process's subscription",
+        Duration::from_secs(30),
+        || {
+            let q = q.clone();
+            async move { q.metrics().acked == published as u64 }
+        },
+    )
+    .await;
+    let sent = count(&events, Event::Notified);
+    assert!(sent >= 1, "the burst must notify at least once");
+    assert!(
+        sent * 4 <= published,
+        "{sent} notifications for {published} publishes: they are not coalesced"
+    );
+    sub.shutdown().await;
+    listener.abort();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publishes_in_callers_transactions_wake_another_process_when_they_commit() {
+    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let q = fx.queue().await;
+    let elsewhere = fx.other_queue().await;
+    let pool = elsewhere_pool(&fx).await;
+    let events = Log::default();
+    let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
+    let sub = q.subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Transactions that publish one after another, each committed at once: the first carries
+    // the notification in its insert, the next ones within its window are covered by the
+    // notification one window later.
+    for round in 0..3 {
+        for i in 0..4 {
+            let mut tx = pool.begin().await.unwrap();
+            elsewhere
+                .publish_in(&mut *tx, &[fx.job(round * 4 + i)])
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            log(&events, Event::Published);
+        }
+        trailing_notification(&events).await;
+        let want = (round as u64 + 1) * 4;
+        wait_until(
+            "the committed rows acked in the other process",
+            Duration::from_secs(20),
+            || {
+                let q = q.clone();
+                async move { q.metrics().acked == want }
+            },
+        )
+        .await;
+    }
+    // A transaction that rolls back wakes nobody and leaves nothing.
+    let mut tx = pool.begin().await.unwrap();
+    elsewhere.publish_in(&mut *tx, &[fx.job(99)]).await.unwrap();
+    tx.rollback().await.unwrap();
+    sub.shutdown().await;
+    listener.abort();
+    assert_eq!(q.metrics().claimed, 12);
+    pool.close().await;
+    fx.cleanup().await;
+}
+
+/// A pool of its own on the case's database, for the callers' transactions.
+async fn elsewhere_pool(fx: &Fixture<Pg>) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&fx.url)
+        .await
+        .expect("connect")
+}
