@@ -114,7 +114,10 @@ async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
     // covers them.
     const TAIL: usize = 5;
     for i in 0..TAIL {
-        elsewhere.publish(fx.job(8 * PER_TASK + i)).await.expect("publish");
+        elsewhere
+            .publish(fx.job(8 * PER_TASK + i))
+            .await
+            .expect("publish");
         log(&events, Event::Published);
     }
     let published = 8 * PER_TASK + TAIL;
