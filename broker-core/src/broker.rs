@@ -103,6 +103,63 @@ impl<B: Backend> Broker<B> {
         })
     }
 
+    /// Checks the deployment for `table`: every check with pass, warn or fail, what it found,
+    /// and what to change. Runs the backend's checks (server version, pooler, settings, clock,
+    /// indexes) and these: the database offers the table's mode, the table and every statement
+    /// of its mode prepare, and the pool serves `options`' concurrency. Changes nothing.
+    ///
+    /// ```no_run
+    /// # async fn run<B: broker_core::Backend>(broker: broker_core::Broker<B>, table: broker_core::TableDescription) {
+    /// use broker_core::{DoctorOptions, Status};
+    /// let report = broker.doctor(&table, &DoctorOptions::new().concurrency(8)).await;
+    /// print!("{report}");
+    /// assert_ne!(report.worst(), Status::Fail);
+    /// # }
+    /// ```
+    pub async fn doctor(
+        &self,
+        table: &TableDescription,
+        options: &crate::DoctorOptions,
+    ) -> crate::DoctorReport {
+        use crate::doctor::{Check, pool_check};
+        let backend = &self.inner.backend;
+        let caps = backend.capabilities();
+        let mut checks = backend.doctor(table, options).await;
+        let mode = table.mode();
+        if checks.iter().any(|c| c.status == crate::Status::Fail) {
+            // Preparing through a deployment that failed a check (a pooler that breaks named
+            // statements, a server too old) proves nothing and may leave statements behind.
+            checks.push(Check::warn(
+                "table and statements",
+                "not checked: fix the failures above first",
+                "run the doctor again after the fixes",
+            ));
+        } else if !caps.offers(mode) {
+            checks.push(Check::fail(
+                "claim mode",
+                format!("{} does not offer {mode} mode", caps.database),
+                "add a locked_until column (lease mode) or an advisory_lock template",
+            ));
+        } else {
+            checks.push(match backend.prepare(&Arc::new(table.clone())).await {
+                Ok(_) => Check::pass(
+                    "table and statements",
+                    format!("table \"{}\" has every column {mode} mode needs, and every statement prepares", table.name()),
+                ),
+                Err(e) => Check::fail("table and statements", e.to_string(), "see the message; the DDL helper (`ddl`) prints what the table needs"),
+            });
+        }
+        let holds =
+            matches!(mode, ClaimMode::RowLock | ClaimMode::Advisory) && !caps.process_local_keys;
+        checks.push(pool_check(
+            self.pool().options().get_max_connections(),
+            holds,
+            caps.cross_process_wakeups,
+            options,
+        ));
+        crate::DoctorReport { checks }
+    }
+
     /// The DDL for a description (see [`Backend::ddl`]).
     pub fn ddl(&self, table: &TableDescription) -> Vec<String> {
         self.inner.backend.ddl(table)

@@ -49,6 +49,7 @@
 mod broker;
 pub mod clock;
 mod delivery;
+pub mod doctor;
 mod error;
 mod metrics;
 mod payload;
@@ -59,6 +60,7 @@ mod table;
 
 pub use broker::{Broker, Queue};
 pub use delivery::{Delivery, Outcome};
+pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use error::{Result, SqlxBrokerError};
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use sqlx::{Database, Pool, Transaction};
 
+use crate::doctor::{Check, DoctorOptions};
 use crate::error::Result;
 use crate::publish::NewJob;
 pub use crate::publish::PublishPlan;
@@ -337,6 +338,20 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 
     /// Runs DDL statements in order on one connection.
     fn execute_ddl(&self, statements: &[String]) -> impl Future<Output = Result<()>> + Send;
+
+    /// The backend's own checks of a deployment for `table`, for
+    /// [`Broker::doctor`](crate::Broker::doctor): server version, pooler, server settings that
+    /// would cut deliveries short, the clock, the indexes the claim reads. A check that cannot
+    /// run is reported as a failed check, never as an error. The default has no checks of its
+    /// own (the broker's shared checks still run).
+    fn doctor(
+        &self,
+        table: &TableDescription,
+        options: &DoctorOptions,
+    ) -> impl Future<Output = Vec<Check>> + Send {
+        let _ = (table, options);
+        async { Vec::new() }
+    }
 
     /// Starts delivering wake-ups from other processes for `table` into `wake`, where the
     /// database can (see [`Capabilities::cross_process_wakeups`]). The poll stays the fallback.

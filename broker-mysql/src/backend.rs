@@ -444,6 +444,14 @@ impl Backend for MySqlBackend {
         Ok(())
     }
 
+    async fn doctor(
+        &self,
+        table: &TableDescription,
+        options: &broker_core::DoctorOptions,
+    ) -> Vec<broker_core::Check> {
+        crate::doctor::checks(&self.pool, table, options).await
+    }
+
     async fn listen(
         &self,
         _table: &Arc<TableDescription>,

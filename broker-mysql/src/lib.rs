@@ -121,6 +121,7 @@
 
 mod advisory;
 mod backend;
+mod doctor;
 mod fifo;
 mod lease;
 mod row_lock;

@@ -370,6 +370,14 @@ impl Backend for PgBackend {
         Ok(())
     }
 
+    async fn doctor(
+        &self,
+        table: &TableDescription,
+        options: &broker_core::DoctorOptions,
+    ) -> Vec<broker_core::Check> {
+        crate::doctor::checks(&self.pool, table, options).await
+    }
+
     async fn listen(
         &self,
         table: &Arc<TableDescription>,

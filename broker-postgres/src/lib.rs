@@ -90,6 +90,7 @@
 
 mod advisory;
 mod backend;
+mod doctor;
 mod fifo;
 mod lease;
 mod notify;

@@ -47,6 +47,7 @@
 
 mod advisory;
 mod backend;
+mod doctor;
 mod fifo;
 mod keys;
 mod lease;

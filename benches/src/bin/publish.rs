@@ -215,13 +215,14 @@ async fn latency(args: &Args, broker: &PgBroker, t: TableDescription) -> Result<
     let _ = child.kill();
     let _ = child.wait();
     samples.sort_by(f64::total_cmp);
-    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize];
+    // The sample at `percent` per cent of the sorted list.
+    let pct = |percent: usize| samples[(samples.len() - 1) * percent / 100];
     println!(
         "publish -> handler across processes ({} samples, subscriber idle, poll 1 h): median {:.1} ms, p90 {:.1} ms, max {:.1} ms",
         samples.len(),
-        pct(0.5),
-        pct(0.9),
-        pct(1.0)
+        pct(50),
+        pct(90),
+        pct(100)
     );
     Ok(())
 }

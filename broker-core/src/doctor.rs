@@ -1,0 +1,283 @@
+//! The doctor: checks a deployment (server, pooler, settings, clock, table, pool) against what a
+//! table's claim mode needs, and says for each check what was found and what to change.
+//!
+//! [`Broker::doctor`](crate::Broker::doctor) runs the backend's checks (each backend knows its
+//! server's settings) and the ones every backend shares (the mode is offered, the table prepares,
+//! the pool serves the planned concurrency, the host's clock agrees with the database's).
+
+use std::fmt;
+use std::time::Duration;
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Status {
+    /// Nothing to change.
+    Pass,
+    /// Works, but slower or less safe than it could be; the fix says how.
+    Warn,
+    /// The table's mode will not work as documented here; the fix says what to change.
+    Fail,
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Status::Pass => "pass",
+            Status::Warn => "warn",
+            Status::Fail => "FAIL",
+        })
+    }
+}
+
+/// One check: what it looked at, what it found, and what to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Check {
+    /// What was checked (e.g. "server version", "pooler").
+    pub name: String,
+    /// How it came out.
+    pub status: Status,
+    /// What was found.
+    pub found: String,
+    /// What to change (empty when nothing needs to).
+    pub fix: String,
+}
+
+impl Check {
+    /// A passing check.
+    pub fn pass(name: impl Into<String>, found: impl Into<String>) -> Self {
+        Self::new(name, Status::Pass, found, "")
+    }
+
+    /// A warning, with what to change.
+    pub fn warn(name: impl Into<String>, found: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self::new(name, Status::Warn, found, fix)
+    }
+
+    /// A failure, with what to change.
+    pub fn fail(name: impl Into<String>, found: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self::new(name, Status::Fail, found, fix)
+    }
+
+    /// A check from its parts.
+    pub fn new(
+        name: impl Into<String>,
+        status: Status,
+        found: impl Into<String>,
+        fix: impl Into<String>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            status,
+            found: found.into(),
+            fix: fix.into(),
+        }
+    }
+}
+
+/// What the deployment plans to run, so the doctor can check the pool and the lease against it.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct DoctorOptions {
+    pub(crate) concurrency: usize,
+    pub(crate) subscriptions: usize,
+}
+
+impl Default for DoctorOptions {
+    fn default() -> Self {
+        Self {
+            concurrency: 1,
+            subscriptions: 1,
+        }
+    }
+}
+
+impl DoctorOptions {
+    /// One subscription with a concurrency of 1.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The concurrency each subscription of the table runs with.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+
+    /// How many subscriptions of the table share this broker's pool.
+    pub fn subscriptions(mut self, n: usize) -> Self {
+        self.subscriptions = n;
+        self
+    }
+}
+
+/// Everything the doctor found, in the order it checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DoctorReport {
+    /// The checks.
+    pub checks: Vec<Check>,
+}
+
+impl DoctorReport {
+    /// The worst status of any check ([`Status::Pass`] for no checks).
+    pub fn worst(&self) -> Status {
+        self.checks
+            .iter()
+            .map(|c| c.status)
+            .max()
+            .unwrap_or(Status::Pass)
+    }
+
+    /// The check named `name`, if it ran.
+    pub fn check(&self, name: &str) -> Option<&Check> {
+        self.checks.iter().find(|c| c.name == name)
+    }
+}
+
+impl fmt::Display for DoctorReport {
+    /// One line per check (`[pass] name: found`), with the fix on the next line where there is
+    /// one.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in &self.checks {
+            writeln!(f, "[{}] {}: {}", c.status, c.name, c.found)?;
+            if !c.fix.is_empty() {
+                writeln!(f, "       fix: {}", c.fix)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The clock check every server backend shares: the database's clock read between two host
+/// readings, compared with their midpoint (the round trip bounds the error).
+///
+/// A lease table compares expiries that hosts compute from their own clocks, so two hosts whose
+/// clocks differ by more than a lease can both hold one row: the doctor measures this host
+/// against the database's clock, which stands in for the other hosts'.
+pub fn clock_check(
+    host_before_ms: i64,
+    db_ms: i64,
+    host_after_ms: i64,
+    lease_seconds: Option<u32>,
+) -> Check {
+    let name = "clock";
+    let midpoint = host_before_ms + (host_after_ms - host_before_ms) / 2;
+    let skew = db_ms - midpoint;
+    let round_trip = host_after_ms - host_before_ms;
+    let found = format!(
+        "the database's clock is {} ms {} this host's (round trip {round_trip} ms)",
+        skew.abs(),
+        if skew >= 0 { "ahead of" } else { "behind" }
+    );
+    let fix = "synchronise the hosts' clocks with the database's (NTP, chrony)";
+    match lease_seconds {
+        Some(lease) if skew.unsigned_abs() >= u64::from(lease) * 500 => Check::fail(
+            name,
+            format!(
+                "{found}; that is half the {lease} s lease or more, so two hosts can hold one row at once"
+            ),
+            fix,
+        ),
+        _ if skew.unsigned_abs() > 1000 => Check::warn(
+            name,
+            format!("{found}; due times and leases use the host's clock"),
+            fix,
+        ),
+        _ => Check::pass(name, found),
+    }
+}
+
+/// The pool check every backend shares: in row lock and advisory modes each delivery in work
+/// holds a pool connection, beside the claims and the wake-up listener.
+pub fn pool_check(
+    max_connections: u32,
+    holds_connection_per_delivery: bool,
+    listens: bool,
+    options: &DoctorOptions,
+) -> Check {
+    let name = "pool size";
+    let subs = options.subscriptions.max(1);
+    let per_sub = if holds_connection_per_delivery {
+        options.concurrency + 1
+    } else {
+        options.concurrency.div_ceil(16).max(1) + 1
+    };
+    let needed = subs * (per_sub + usize::from(listens));
+    let needed = u32::try_from(needed).unwrap_or(u32::MAX);
+    let found = format!(
+        "{max_connections} connections for {subs} subscription(s) at concurrency {}",
+        options.concurrency
+    );
+    if max_connections >= needed {
+        Check::pass(name, found)
+    } else if holds_connection_per_delivery {
+        Check::fail(
+            name,
+            format!(
+                "{found}; this mode holds a connection per delivery in work, and needs about {needed}"
+            ),
+            format!("raise max_connections to {needed} or more, or lower the concurrency"),
+        )
+    } else {
+        Check::warn(
+            name,
+            format!(
+                "{found}; claims, settlements and publishes wait for connections beyond about {needed}"
+            ),
+            format!("raise max_connections to {needed}"),
+        )
+    }
+}
+
+/// How long a check that waits for the server (a notification, say) waits at most.
+pub const WAIT: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clock_half_a_lease_off_fails_and_a_second_off_warns() {
+        let lease = Some(30);
+        assert_eq!(clock_check(1_000, 1_005, 1_010, lease).status, Status::Pass);
+        assert_eq!(clock_check(1_000, 3_005, 1_010, lease).status, Status::Warn);
+        let off = clock_check(100_000, 85_005, 100_010, lease);
+        assert_eq!(off.status, Status::Fail);
+        assert!(off.found.contains("behind"), "{}", off.found);
+        assert_eq!(
+            clock_check(100_000, 85_005, 100_010, None).status,
+            Status::Warn
+        );
+    }
+
+    #[test]
+    fn a_pool_smaller_than_the_held_connections_fails() {
+        let opts = DoctorOptions::new().concurrency(16);
+        assert_eq!(pool_check(16, true, true, &opts).status, Status::Fail);
+        assert_eq!(pool_check(18, true, true, &opts).status, Status::Pass);
+        assert_eq!(pool_check(4, false, true, &opts).status, Status::Pass);
+        assert_eq!(pool_check(2, false, true, &opts).status, Status::Warn);
+    }
+
+    #[test]
+    fn the_report_prints_each_fix_under_its_check() {
+        let report = DoctorReport {
+            checks: vec![
+                Check::pass("server version", "PostgreSQL 15.2"),
+                Check::fail("pooler", "transaction mode", "connect directly"),
+            ],
+        };
+        assert_eq!(report.worst(), Status::Fail);
+        let text = report.to_string();
+        assert!(
+            text.contains("[pass] server version: PostgreSQL 15.2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("[FAIL] pooler: transaction mode\n       fix: connect directly"),
+            "{text}"
+        );
+    }
+}

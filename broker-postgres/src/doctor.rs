@@ -1,0 +1,333 @@
+//! The PostgreSQL checks of [`Broker::doctor`](broker_core::Broker::doctor): server version,
+//! pooler, prepared statements, `LISTEN`, settings that cut row-lock deliveries short, the
+//! clock, and the indexes the claim reads.
+//!
+//! Every statement here runs unprepared (the simple protocol, or an unnamed statement), and the
+//! probes that could leave session state behind run on connections of their own that are closed
+//! afterwards: the doctor must work, and change nothing, behind the very poolers it looks for.
+
+use broker_core::doctor::{Check, DoctorOptions, WAIT, clock_check};
+use broker_core::{ClaimMode, TableDescription, clock};
+use sqlx::postgres::{PgListener, PgRow};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
+
+use crate::sql::ident;
+use crate::{schema, version};
+
+/// A connection of the doctor's own, with the pool's options (through the same pooler, if any).
+async fn own_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
+    PgConnection::connect_with(&pool.connect_options()).await
+}
+
+async fn one_row(conn: &mut PgConnection, sql: &str) -> Result<PgRow, sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(&mut *conn)
+        .await
+}
+
+async fn backend_pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
+    one_row(conn, "SELECT pg_backend_pid()").await?.try_get(0)
+}
+
+/// Runs every check; see the module docs.
+pub(crate) async fn checks(
+    pool: &PgPool,
+    table: &TableDescription,
+    _options: &DoctorOptions,
+) -> Vec<Check> {
+    let mut out = Vec::new();
+    let (mut a, mut b) = match (own_connection(pool).await, own_connection(pool).await) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            out.push(Check::fail(
+                "connection",
+                format!("cannot connect: {e}"),
+                "check the URL, the server and the role's rights",
+            ));
+            return out;
+        }
+    };
+    out.push(server_version(&mut a).await);
+    out.push(pooler(&mut a, &mut b, table).await);
+    out.push(prepared_statements(&mut a, &mut b).await);
+    out.push(listen(pool, table).await);
+    if table.mode() == ClaimMode::RowLock {
+        out.extend(row_lock_settings(&mut a).await);
+    }
+    out.push(clock(&mut a, table).await);
+    out.push(indexes(&mut a, table).await);
+    let _ = a.close().await;
+    let _ = b.close().await;
+    out
+}
+
+async fn server_version(conn: &mut PgConnection) -> Check {
+    let name = "server version";
+    let row = one_row(
+        conn,
+        "SELECT current_setting('server_version_num'), current_setting('server_version')",
+    )
+    .await;
+    let (num, text): (String, String) = match row.and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?))) {
+        Ok(v) => v,
+        Err(e) => {
+            return Check::fail(
+                name,
+                format!("cannot read it: {e}"),
+                "check the role's rights",
+            );
+        }
+    };
+    match version::check(&num, &text) {
+        Ok(()) => Check::pass(name, format!("PostgreSQL {text} (11 or newer needed)")),
+        Err(e) => Check::fail(name, e.to_string(), "upgrade to PostgreSQL 11 or newer"),
+    }
+}
+
+/// Whether session state survives: one connection's statements reach one server session, and
+/// two connections do not share one. Behind a transaction-mode pooler (PgBouncer
+/// `pool_mode = transaction`), a server session serves one client per transaction: a client's
+/// next transaction may reach another session, and a session a client just left is handed to
+/// the next client (PgBouncer reuses the most recently freed one).
+async fn pooler(a: &mut PgConnection, b: &mut PgConnection, table: &TableDescription) -> Check {
+    let name = "pooler";
+    let pids = async {
+        let first = backend_pid(a).await?;
+        let other_client = backend_pid(b).await?;
+        let again = backend_pid(a).await?;
+        Ok::<_, sqlx::Error>((first, other_client, again))
+    };
+    let (first, other_client, again) = match pids.await {
+        Ok(p) => p,
+        Err(e) => {
+            return Check::fail(
+                name,
+                format!("cannot read the server session: {e}"),
+                "check the role's rights",
+            );
+        }
+    };
+    if first == again && first != other_client {
+        return Check::pass(
+            name,
+            "each connection keeps a server session of its own (direct, or a session-mode pooler)",
+        );
+    }
+    let found = format!(
+        "server sessions are shared between connections, per transaction (session {first} served this connection, then {again}; another connection got {other_client}): a transaction-mode pooler"
+    );
+    match table.mode() {
+        ClaimMode::Advisory => Check::fail(
+            name,
+            format!(
+                "{found}; advisory locks live in the session, so two deliveries could hold one key"
+            ),
+            "connect directly or through a session-mode pooler, or use lease mode (a locked_until column)",
+        ),
+        _ => Check::warn(
+            name,
+            format!("{found}; LISTEN is lost, so wake-ups across processes fall back to the poll"),
+            "connect directly or through a session-mode pooler for LISTEN; row lock and lease work through it once statements are sent unprepared (see the prepared statements check)",
+        ),
+    }
+}
+
+/// Whether a named prepared statement outlives its transaction on this connection, while
+/// another connection holds a transaction open (so a pooler must serve this connection's next
+/// transaction from another server session): sqlx prepares every statement under a name and
+/// reuses it, so where names do not survive (or collide on a shared server session), queries
+/// fail.
+async fn prepared_statements(a: &mut PgConnection, b: &mut PgConnection) -> Check {
+    let name = "prepared statements";
+    let stmt = format!(
+        "sqlx_broker_doctor_{}_{}",
+        std::process::id(),
+        clock::now_ms()
+    );
+    let run = |sql: String| sqlx::raw_sql(AssertSqlSafe(sql));
+    if let Err(e) = run(format!("BEGIN; PREPARE {stmt} AS SELECT 1; COMMIT"))
+        .execute(&mut *a)
+        .await
+    {
+        return Check::fail(
+            name,
+            format!("PREPARE failed: {e}"),
+            "check the role's rights",
+        );
+    }
+    // The other connection holds a transaction, and so (behind a pooler) a server session.
+    if let Err(e) = run("BEGIN; SELECT pg_backend_pid()".into())
+        .execute(&mut *b)
+        .await
+    {
+        return Check::fail(
+            name,
+            format!("cannot open a transaction: {e}"),
+            "check the role's rights",
+        );
+    }
+    let executed = run(format!("EXECUTE {stmt}")).execute(&mut *a).await;
+    let _ = run("ROLLBACK".into()).execute(&mut *b).await;
+    match executed {
+        Ok(_) => {
+            let _ = run(format!("DEALLOCATE {stmt}")).execute(&mut *a).await;
+            Check::pass(
+                name,
+                "a named statement outlives its transaction on its connection",
+            )
+        }
+        Err(e) => Check::fail(
+            name,
+            format!(
+                "a statement prepared in one transaction is gone in the next ({e}); sqlx names and reuses its prepared statements, so queries fail (\"prepared statement ... already exists\" / \"does not exist\")"
+            ),
+            "connect directly or through a session-mode pooler, or use PgBouncer 1.21+ with max_prepared_statements > 0",
+        ),
+    }
+}
+
+/// Whether a notification reaches a listener on a connection of the pool.
+async fn listen(pool: &PgPool, table: &TableDescription) -> Check {
+    let name = "LISTEN";
+    let channel = format!("sqlx_broker_doctor_{}", std::process::id());
+    let heard = async {
+        let mut listener = PgListener::connect_with(pool).await?;
+        listener.listen(&channel).await?;
+        let mut conn = own_connection(pool).await?;
+        sqlx::raw_sql(AssertSqlSafe(format!("NOTIFY {}", ident(&channel))))
+            .execute(&mut conn)
+            .await?;
+        let _ = conn.close().await;
+        let got = tokio::time::timeout(WAIT, listener.recv()).await;
+        let _ = listener.unlisten_all().await;
+        Ok::<_, sqlx::Error>(matches!(got, Ok(Ok(_))))
+    };
+    let poll = "subscriptions in other processes find new rows only at their poll interval";
+    match heard.await {
+        Ok(true) => Check::pass(name, "a notification reached a listener on the pool"),
+        Ok(false) => Check::warn(
+            name,
+            format!(
+                "a notification did not arrive within {} s; {poll} (for {})",
+                WAIT.as_secs(),
+                table.name()
+            ),
+            "LISTEN needs a session: connect directly or through a session-mode pooler, or keep the poll interval short",
+        ),
+        Err(e) => Check::warn(
+            name,
+            format!("LISTEN does not work through this connection ({e}); {poll}"),
+            "LISTEN needs a session: connect directly or through a session-mode pooler",
+        ),
+    }
+}
+
+/// Settings that end a row-lock delivery's transaction or statement under it.
+async fn row_lock_settings(conn: &mut PgConnection) -> Vec<Check> {
+    let mut out = Vec::new();
+    for (setting, what, fix) in [
+        (
+            "idle_in_transaction_session_timeout",
+            "a row-lock delivery keeps its transaction open, idle, while the handler runs; the server ends the session of one whose handler runs longer, the row comes back and the handler's writes are lost",
+            "ALTER ROLE <role> SET idle_in_transaction_session_timeout = 0 (or longer than any handler), or use lease mode for long handlers",
+        ),
+        (
+            "transaction_timeout",
+            "the server ends a row-lock delivery's transaction that runs longer, with the handler's writes",
+            "ALTER ROLE <role> SET transaction_timeout = 0 (or longer than any handler), or use lease mode for long handlers",
+        ),
+    ] {
+        let name = format!("setting {setting}");
+        // `transaction_timeout` exists from PostgreSQL 17; a server without it has no such limit.
+        let value = one_row(conn, &format!("SELECT current_setting('{setting}', true)")).await;
+        match value.and_then(|r| r.try_get::<Option<String>, _>(0)) {
+            Ok(None) => {}
+            Ok(Some(v)) if v == "0" || v.is_empty() => {
+                out.push(Check::pass(name, format!("{v} (no limit)")))
+            }
+            Ok(Some(v)) => out.push(Check::warn(name, format!("{v}: {what}"), fix)),
+            Err(e) => out.push(Check::warn(
+                name,
+                format!("cannot read it: {e}"),
+                "check it by hand",
+            )),
+        }
+    }
+    out
+}
+
+async fn clock(conn: &mut PgConnection, table: &TableDescription) -> Check {
+    let before = clock::now_ms();
+    let db = one_row(
+        conn,
+        "SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::int8",
+    )
+    .await
+    .and_then(|r| r.try_get::<i64, _>(0));
+    let after = clock::now_ms();
+    let lease = (table.mode() == ClaimMode::Lease).then(|| table.lease_seconds());
+    match db {
+        Ok(db) => clock_check(before, db, after, lease),
+        Err(e) => Check::warn(
+            "clock",
+            format!("cannot read the database's clock: {e}"),
+            "check it by hand",
+        ),
+    }
+}
+
+/// The indexes the DDL helper creates for the claim, by name.
+async fn indexes(conn: &mut PgConnection, table: &TableDescription) -> Check {
+    let name = "indexes";
+    let wanted: Vec<(String, String)> = schema::ddl(table)
+        .into_iter()
+        .filter_map(|sql| {
+            let rest = sql.strip_prefix("CREATE INDEX IF NOT EXISTS ")?;
+            let end = rest.find(" ON ")?;
+            Some((rest[..end].trim_matches('"').replace("\"\"", "\""), sql))
+        })
+        .collect();
+    let have: Result<Vec<String>, _> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
+         WHERE i.indrelid = to_regclass($1::text)",
+    )
+    .persistent(false)
+    .bind(ident(table.name()))
+    .fetch_all(&mut *conn)
+    .await;
+    let have = match have {
+        Ok(h) => h,
+        Err(e) => {
+            return Check::warn(
+                name,
+                format!("cannot list the table's indexes: {e}"),
+                "check them by hand",
+            );
+        }
+    };
+    let missing: Vec<&(String, String)> =
+        wanted.iter().filter(|(n, _)| !have.contains(n)).collect();
+    if missing.is_empty() {
+        let names: Vec<&str> = wanted.iter().map(|(n, _)| n.as_str()).collect();
+        return Check::pass(
+            name,
+            format!("the claim's indexes are there: {}", names.join(", ")),
+        );
+    }
+    Check::warn(
+        name,
+        format!(
+            "missing {}: claims then scan the table, and slow down as it grows",
+            missing
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        missing
+            .iter()
+            .map(|(_, sql)| format!("{sql};"))
+            .collect::<Vec<_>>()
+            .join(" "),
+    )
+}

@@ -1,0 +1,210 @@
+//! The doctor against the real server, directly and through PgBouncer in transaction mode: a
+//! healthy deployment passes every check, and each problem is named with its fix.
+//!
+//! PgBouncer comes from `SQLX_BROKER_PGBOUNCER_URL` (default
+//! `postgres://postgres@127.0.0.1:6432/test`, transaction mode, in front of the test server;
+//! `.ci/run` installs and starts it). An unreachable PgBouncer fails its test.
+
+mod common;
+
+use std::str::FromStr;
+
+use broker_core::{Broker, ClaimMode, DoctorOptions, DoctorReport, Status};
+use broker_postgres::{PgBackend, PgBroker};
+use broker_testkit::Fixture;
+use common::Pg;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
+
+fn pgbouncer_url() -> String {
+    std::env::var("SQLX_BROKER_PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_owned())
+}
+
+/// Starts the local PgBouncer with the repository's script (`.ci/pgbouncer.sh`, which installs
+/// it if missing) when none answers at the default URL, so `cargo test --workspace` works on a
+/// fresh machine as it does in CI. Runs once per process.
+async fn ensure_local_pgbouncer() {
+    static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    if std::env::var_os("SQLX_BROKER_PGBOUNCER_URL").is_some() {
+        return;
+    }
+    STARTED
+        .get_or_init(|| async {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pgbouncer.sh");
+            let status = tokio::task::spawn_blocking(move || {
+                std::process::Command::new("bash").arg(script).status()
+            })
+            .await
+            .expect("the script's task")
+            .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+            assert!(status.success(), "{script} could not start PgBouncer");
+        })
+        .await;
+}
+
+/// A broker on the fixture's database through PgBouncer.
+async fn through_pgbouncer(fx: &Fixture<Pg>) -> PgBroker {
+    let direct = PgConnectOptions::from_str(&fx.url).unwrap();
+    let database = direct.get_database().unwrap().to_owned();
+    ensure_local_pgbouncer().await;
+    let url = pgbouncer_url();
+    let options = PgConnectOptions::from_str(&url)
+        .expect("a PgBouncer URL")
+        .database(&database);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("PgBouncer at {url} is unreachable ({e}); .ci/run installs and starts it")
+        });
+    Broker::new(PgBackend::new(pool))
+}
+
+fn status(report: &DoctorReport, check: &str) -> Status {
+    report
+        .check(check)
+        .unwrap_or_else(|| panic!("no {check:?} check in:\n{report}"))
+        .status
+}
+
+fn fix(report: &DoctorReport, check: &str) -> String {
+    report
+        .check(check)
+        .map(|c| c.fix.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_healthy_deployment_passes_every_check_in_every_mode() {
+    for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let report = fx
+            .broker
+            .doctor(&fx.table, &DoctorOptions::new().concurrency(4))
+            .await;
+        assert_eq!(report.worst(), Status::Pass, "{mode}:\n{report}");
+        for check in [
+            "server version",
+            "pooler",
+            "prepared statements",
+            "LISTEN",
+            "clock",
+            "indexes",
+            "table and statements",
+            "pool size",
+        ] {
+            assert_eq!(status(&report, check), Status::Pass, "{mode}:\n{report}");
+        }
+        fx.cleanup().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_timeout_that_cuts_row_lock_deliveries_is_named_with_its_fix() {
+    let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b).await.unwrap();
+    let mut conn = PgConnection::connect(&fx.url).await.unwrap();
+    let database = PgConnectOptions::from_str(&fx.url)
+        .unwrap()
+        .get_database()
+        .unwrap()
+        .to_owned();
+    conn.execute(AssertSqlSafe(format!(
+        "ALTER DATABASE \"{database}\" SET idle_in_transaction_session_timeout = '5s'"
+    )))
+    .await
+    .unwrap();
+    conn.close().await.unwrap();
+    // New sessions get the setting.
+    let broker = common::connect(&fx.url).await;
+    let report = broker.doctor(&fx.table, &DoctorOptions::new()).await;
+    let check = "setting idle_in_transaction_session_timeout";
+    assert_eq!(status(&report, check), Status::Warn, "{report}");
+    assert!(
+        fix(&report, check).contains("idle_in_transaction_session_timeout = 0"),
+        "{report}"
+    );
+    // Lease mode holds no transaction, so the doctor does not look.
+    broker.close().await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_missing_claim_index_is_named_with_the_statement_that_creates_it() {
+    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let index = format!("{}_claim", fx.table.name());
+    fx.broker
+        .pool()
+        .execute(AssertSqlSafe(format!("DROP INDEX \"{index}\"")))
+        .await
+        .unwrap();
+    let report = fx.broker.doctor(&fx.table, &DoctorOptions::new()).await;
+    assert_eq!(status(&report, "indexes"), Status::Warn, "{report}");
+    let fix = fix(&report, "indexes");
+    assert!(
+        fix.starts_with("CREATE INDEX") && fix.contains(&index),
+        "{report}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pool_that_cannot_hold_every_delivery_fails_in_the_modes_that_hold_connections() {
+    // The test pools hold ten connections.
+    for (mode, want) in [
+        (ClaimMode::RowLock, Status::Fail),
+        (ClaimMode::Advisory, Status::Fail),
+        (ClaimMode::Lease, Status::Pass),
+    ] {
+        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let report = fx
+            .broker
+            .doctor(&fx.table, &DoctorOptions::new().concurrency(32))
+            .await;
+        assert_eq!(status(&report, "pool size"), want, "{mode}:\n{report}");
+        if want == Status::Fail {
+            assert!(
+                fix(&report, "pool size").contains("max_connections"),
+                "{report}"
+            );
+        }
+        fx.cleanup().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn behind_pgbouncer_in_transaction_mode_the_doctor_names_the_pooler_and_what_breaks() {
+    for mode in [ClaimMode::Lease, ClaimMode::Advisory] {
+        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let broker = through_pgbouncer(&fx).await;
+        let report = broker.doctor(&fx.table, &DoctorOptions::new()).await;
+        let pooler = report.check("pooler").unwrap();
+        assert!(pooler.found.contains("transaction-mode pooler"), "{report}");
+        let want = if mode == ClaimMode::Advisory {
+            Status::Fail
+        } else {
+            Status::Warn
+        };
+        assert_eq!(pooler.status, want, "{mode}:\n{report}");
+        assert_eq!(
+            status(&report, "prepared statements"),
+            Status::Fail,
+            "{report}"
+        );
+        assert!(
+            fix(&report, "prepared statements").contains("session-mode pooler"),
+            "{report}"
+        );
+        assert_eq!(status(&report, "LISTEN"), Status::Warn, "{report}");
+        assert_eq!(report.worst(), Status::Fail, "{report}");
+        // The doctor does not prepare through a deployment that failed a check.
+        assert_eq!(
+            status(&report, "table and statements"),
+            Status::Warn,
+            "{report}"
+        );
+        broker.close().await;
+        fx.cleanup().await;
+    }
+}

@@ -1,0 +1,120 @@
+//! The SQLite checks of [`Broker::doctor`](broker_core::Broker::doctor): the library version,
+//! the journal mode and busy timeout that let workers take turns at the one writer, the scope of
+//! advisory keys, and the indexes the claim reads.
+
+use broker_core::doctor::{Check, DoctorOptions};
+use broker_core::{ClaimMode, TableDescription};
+use sqlx::{AssertSqlSafe, Row, SqlitePool};
+
+use crate::version;
+
+/// Runs every check; see the module docs.
+pub(crate) async fn checks(
+    pool: &SqlitePool,
+    table: &TableDescription,
+    _options: &DoctorOptions,
+) -> Vec<Check> {
+    let mut conn = match pool.acquire().await {
+        Ok(c) => c,
+        Err(e) => {
+            return vec![Check::fail(
+                "connection",
+                format!("cannot open the database: {e}"),
+                "check the path and the file's rights",
+            )];
+        }
+    };
+    let mut scalar = async |sql: &str| -> Result<String, sqlx::Error> {
+        let row = sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&mut *conn)
+            .await?;
+        row.try_get::<String, _>(0)
+            .or_else(|_| row.try_get::<i64, _>(0).map(|n| n.to_string()))
+    };
+    let mut out = Vec::new();
+    out.push(match scalar("SELECT sqlite_version()").await {
+        Ok(v) => match version::check(&v) {
+            Ok(()) => Check::pass(
+                "library version",
+                format!("SQLite {v} (3.35 or newer needed)"),
+            ),
+            Err(e) => Check::fail(
+                "library version",
+                e.to_string(),
+                "build sqlx against a newer SQLite (3.35+ has RETURNING)",
+            ),
+        },
+        Err(e) => Check::fail(
+            "library version",
+            format!("cannot read it: {e}"),
+            "check the database",
+        ),
+    });
+    out.push(match scalar("PRAGMA journal_mode").await {
+        Ok(m) if m.eq_ignore_ascii_case("wal") => Check::pass("journal mode", "WAL: readers do not wait for the writer"),
+        Ok(m) => Check::warn(
+            "journal mode",
+            format!("{m}: every claim and settlement waits for readers and the one writer"),
+            "open the pool with SqliteBackend::connect_options (WAL and a busy timeout), or set PRAGMA journal_mode = WAL",
+        ),
+        Err(e) => Check::warn("journal mode", format!("cannot read it: {e}"), "check it by hand"),
+    });
+    out.push(match scalar("PRAGMA busy_timeout").await {
+        Ok(ms) if ms.parse::<u64>().is_ok_and(|ms| ms >= 1000) => Check::pass("busy timeout", format!("{ms} ms")),
+        Ok(ms) => Check::warn(
+            "busy timeout",
+            format!("{ms} ms: a worker that meets another process's write fails with \"database is locked\" instead of waiting"),
+            "open the pool with SqliteBackend::connect_options (a 30 s busy timeout), or set PRAGMA busy_timeout",
+        ),
+        Err(e) => Check::warn("busy timeout", format!("cannot read it: {e}"), "check it by hand"),
+    });
+    if table.mode() == ClaimMode::Advisory {
+        out.push(Check::warn(
+            "advisory keys",
+            "keys are held in this process: two processes on one file do not see each other's keys, so a row can be delivered twice",
+            "run one process per database file, or use lease mode (a locked_until column) for several",
+        ));
+    }
+    let have: Result<Vec<String>, _> = sqlx::query_scalar("SELECT name FROM pragma_index_list(?)")
+        .bind(table.name())
+        .fetch_all(&mut *conn)
+        .await;
+    let wanted: Vec<String> = crate::schema::ddl(table)
+        .into_iter()
+        .filter_map(|sql| {
+            let rest = sql.strip_prefix("CREATE INDEX IF NOT EXISTS ")?;
+            let end = rest.find(" ON ")?;
+            Some(rest[..end].trim_matches('`').replace("``", "`"))
+        })
+        .collect();
+    out.push(match have {
+        Ok(have) => {
+            let missing: Vec<&String> = wanted.iter().filter(|n| !have.contains(n)).collect();
+            if missing.is_empty() {
+                Check::pass(
+                    "indexes",
+                    format!("the claim's indexes are there: {}", wanted.join(", ")),
+                )
+            } else {
+                Check::warn(
+                    "indexes",
+                    format!(
+                        "missing {}: claims then scan the table",
+                        missing
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    "create them as the DDL helper does (broker.ddl(&table) prints them)",
+                )
+            }
+        }
+        Err(e) => Check::warn(
+            "indexes",
+            format!("cannot list them: {e}"),
+            "check them by hand",
+        ),
+    });
+    out
+}
