@@ -170,7 +170,9 @@ impl AdvisoryStrategy for PgAdvisory {
 
     async fn candidates(&self, limit: usize, now_ms: i64) -> Result<Vec<Candidate>> {
         let rows = with_retries(|| async {
-            let mut q = query(&self.candidates)
+            // Advisory mode needs a session of its own (it is refused behind a transaction-mode
+            // pooler), so its statements are always prepared.
+            let mut q = query(&self.candidates, true)
                 .bind(now_ms)
                 .bind(i64::try_from(limit).unwrap_or(i64::MAX));
             for literal in &self.literals {
@@ -223,7 +225,10 @@ impl AdvisoryStrategy for PgAdvisory {
         let conn = lock.conn();
         let mut tries = 0;
         let row = loop {
-            let mut q = query(&self.take).bind(now_ms).bind(id).bind(key.clone());
+            let mut q = query(&self.take, true)
+                .bind(now_ms)
+                .bind(id)
+                .bind(key.clone());
             for literal in &self.literals {
                 q = q.bind(literal.clone());
             }

@@ -13,7 +13,7 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, 
 use crate::advisory::PgAdvisory;
 use crate::lease::PgLease;
 use crate::row_lock::PgRowLock;
-use crate::sql::{ident, ms, ts};
+use crate::sql::{ident, ms, on_pool, ts};
 use crate::{notify, schema, version};
 
 /// A broker on PostgreSQL.
@@ -25,6 +25,10 @@ pub type PgBroker = Broker<PgBackend>;
 pub struct PgBackend {
     pool: PgPool,
     notifier: Arc<notify::Notifier>,
+    /// Whether the pool reaches the server through a transaction-mode pooler: set by
+    /// [`behind_transaction_pooler`](Self::behind_transaction_pooler), or found out once, at the
+    /// first prepare.
+    pooled: Arc<std::sync::OnceLock<bool>>,
 }
 
 impl PgBackend {
@@ -35,7 +39,50 @@ impl PgBackend {
         Self {
             pool,
             notifier: Arc::default(),
+            pooled: Arc::default(),
         }
+    }
+
+    /// Says that the pool reaches PostgreSQL through a transaction-mode pooler (PgBouncer
+    /// `pool_mode = transaction`, Supavisor or pgcat in transaction mode), where a connection's
+    /// transactions may run on different server sessions:
+    /// - statements are sent unnamed, as the pooler passes them through (sqlx names and caches
+    ///   prepared statements per connection, and a named statement prepared on one server session
+    ///   is missing, or already taken, on the next);
+    /// - wake-ups from other processes are off (`LISTEN` needs a session): subscriptions find
+    ///   their rows at the poll interval, and a publish in this process still wakes them at once;
+    /// - advisory tables are refused (session locks need a session); row lock and lease work.
+    ///
+    /// Without this setting the backend checks at the first prepare whether two connections share
+    /// a server session (a pooler reuses the session a client just left), and behaves as above
+    /// when they do. Setting it saves that check and makes the choice explicit.
+    #[must_use]
+    pub fn behind_transaction_pooler(self) -> Self {
+        let pooled = Arc::new(std::sync::OnceLock::new());
+        let _ = pooled.set(true);
+        Self { pooled, ..self }
+    }
+
+    /// Whether statements go prepared under a name: not behind a transaction-mode pooler.
+    fn prepared(&self) -> bool {
+        !self.pooled.get().copied().unwrap_or(false)
+    }
+
+    /// Finds out, once, whether the pool is behind a transaction-mode pooler.
+    async fn detect_pooler(&self, table: &str) -> Result<bool> {
+        if let Some(p) = self.pooled.get() {
+            return Ok(*p);
+        }
+        let pooled = notify::transaction_pooled(&self.pool)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, "pooler check", e))?;
+        if pooled {
+            tracing::warn!(
+                table,
+                "two connections share a server session: a transaction-mode pooler; statements go unnamed, wake-ups poll, and advisory tables are refused (say so with PgBackend::behind_transaction_pooler to skip this check)"
+            );
+        }
+        Ok(*self.pooled.get_or_init(|| pooled))
     }
 
     /// Opens a pool of up to 16 connections on `url` (e.g.
@@ -146,6 +193,7 @@ async fn publish_chunk<P>(
     plan: &PublishPlan,
     slots: &[Slot],
     channel: Option<&str>,
+    prepared: bool,
     jobs: &[NewJob<P>],
 ) -> Result<Vec<i64>, sqlx::Error>
 where
@@ -188,7 +236,9 @@ where
              SELECT sqlx_broker_ins.{id}::int8 FROM sqlx_broker_ins WHERE $1::text IS NULL ORDER BY 1"
         ),
     };
-    let mut q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).bind(channel);
+    let mut q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+        .persistent(prepared)
+        .bind(channel);
     for job in jobs {
         q = q.bind(job.payload());
         for (value, slot) in plan.values(job).into_iter().zip(slots) {
@@ -211,7 +261,8 @@ impl Backend for PgBackend {
         let mut caps = Capabilities::default_for("PostgreSQL");
         caps.row_lock = true;
         caps.process_local_keys = false;
-        caps.cross_process_wakeups = true;
+        // LISTEN needs a session of its own.
+        caps.cross_process_wakeups = self.prepared();
         caps
     }
 
@@ -220,29 +271,45 @@ impl Backend for PgBackend {
     }
 
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
+        let pooled = self.detect_pooler(table.name()).await?;
+        let prepared = !pooled;
+        if pooled && table.mode() == ClaimMode::Advisory {
+            return Err(SqlxBrokerError::Unsupported {
+                table: table.name().to_owned(),
+                message: format!("advisory mode is refused: {}", notify::POOLER_HINT),
+            });
+        }
         let mut conn = acquire(&self.pool, table.name()).await?;
-        let (num, text): (String, String) = sqlx::query_as(
+        // The simple protocol: no parameters, one message, through any pooler.
+        let (num, text): (String, String) = sqlx::raw_sql(
             "SELECT current_setting('server_version_num'), current_setting('server_version')",
         )
         .fetch_one(&mut *conn)
         .await
+        .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
         version::check(&num, &text)?;
-        let columns = schema::table_columns(&mut conn, table).await?;
+        let columns = schema::table_columns(&mut conn, table, prepared).await?;
         let prepared = match table.mode() {
             ClaimMode::RowLock => {
-                let s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
-                schema::check(&mut conn, table, &s.statements()).await?;
+                let mut s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
+                if pooled {
+                    s = s.unprepared();
+                }
+                schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 Prepared::RowLock(s)
             }
             ClaimMode::Lease => {
-                let s = PgLease::new(self.pool.clone(), table.clone(), &columns);
-                schema::check(&mut conn, table, &s.statements()).await?;
+                let mut s = PgLease::new(self.pool.clone(), table.clone(), &columns);
+                if pooled {
+                    s = s.unprepared();
+                }
+                schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 Prepared::Lease(s)
             }
             ClaimMode::Advisory => {
                 let s = PgAdvisory::new(self.pool.clone(), table.clone(), &columns);
-                schema::check(&mut conn, table, &s.statements()).await?;
+                schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 let pinned = notify::session_is_pinned(&mut conn)
                     .await
                     .map_err(|e| SqlxBrokerError::statement(table.name(), "session check", e))?;
@@ -280,11 +347,14 @@ impl Backend for PgBackend {
         let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
         // Stay well under PostgreSQL's 65535 bound parameters per statement.
         let per_statement = (60_000 / plan.width()).clamp(1, 1000);
-        let ids = if jobs.len() <= per_statement {
-            publish_chunk(conn, table, &plan, &slots, channel, jobs)
+        let prepared = self.prepared();
+        let ids = if jobs.len() <= per_statement && (prepared || in_caller_tx) {
+            publish_chunk(conn, table, &plan, &slots, channel, prepared, jobs)
                 .await
                 .map_err(err)?
         } else {
+            // Unnamed statements outside a transaction would lose their session between parse
+            // and execution behind a transaction-mode pooler (see `sql::on_pool`).
             // Several statements: one transaction (a savepoint inside the caller's), so the
             // batch lands whole or not at all.
             let mut tx = conn.begin().await.map_err(err)?;
@@ -292,7 +362,7 @@ impl Backend for PgBackend {
             for (i, chunk) in jobs.chunks(per_statement).enumerate() {
                 let channel = channel.filter(|_| i == 0);
                 ids.extend(
-                    publish_chunk(&mut tx, table, &plan, &slots, channel, chunk)
+                    publish_chunk(&mut tx, table, &plan, &slots, channel, prepared, chunk)
                         .await
                         .map_err(err)?,
                 );
@@ -327,11 +397,14 @@ impl Backend for PgBackend {
             ident(table.id()),
         );
         let err = |e| SqlxBrokerError::statement(table.name(), "row state", e);
-        let row: Option<StateRow> = sqlx::query_as(AssertSqlSafe(sql))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?;
+        let q = sqlx::query_as(AssertSqlSafe(sql))
+            .persistent(self.prepared())
+            .bind(id);
+        let row: Option<StateRow> = on_pool(&self.pool, self.prepared(), |c| {
+            Box::pin(q.fetch_optional(c))
+        })
+        .await
+        .map_err(err)?;
         if let Some((attempt, lu, due, processed, dead)) = row {
             return Ok(Some(RowState::new(attempt, lu, due, processed, dead)));
         }
@@ -342,11 +415,14 @@ impl Backend for PgBackend {
                 ident(d),
                 ident(table.id())
             );
-            let attempt: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(err)?;
+            let q = sqlx::query_scalar(AssertSqlSafe(sql))
+                .persistent(self.prepared())
+                .bind(id);
+            let attempt: Option<i64> = on_pool(&self.pool, self.prepared(), |c| {
+                Box::pin(q.fetch_optional(c))
+            })
+            .await
+            .map_err(err)?;
             return Ok(attempt.map(|a| RowState::new(a, None, None, false, true)));
         }
         Ok(None)
@@ -383,6 +459,10 @@ impl Backend for PgBackend {
         table: &Arc<TableDescription>,
         wake: Arc<tokio::sync::Notify>,
     ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+        if !self.prepared() {
+            // Behind a transaction-mode pooler LISTEN would be lost without a word: poll.
+            return Ok(None);
+        }
         notify::listen(&self.pool, table, wake).await
     }
 }

@@ -176,12 +176,12 @@ async fn prepared_statements(a: &mut PgConnection, b: &mut PgConnection) -> Chec
                 "a named statement outlives its transaction on its connection",
             )
         }
-        Err(e) => Check::fail(
+        Err(e) => Check::warn(
             name,
             format!(
-                "a statement prepared in one transaction is gone in the next ({e}); sqlx names and reuses its prepared statements, so queries fail (\"prepared statement ... already exists\" / \"does not exist\")"
+                "a statement prepared in one transaction is gone in the next ({e}); sqlx's named statements would fail here, so the backend sends its statements unnamed, each inside a transaction (two more round trips per statement)"
             ),
-            "connect directly or through a session-mode pooler, or use PgBouncer 1.21+ with max_prepared_statements > 0",
+            "connect directly or through a session-mode pooler, or use PgBouncer 1.21+ with max_prepared_statements > 0, to keep statements prepared",
         ),
     }
 }

@@ -8,15 +8,19 @@ use std::sync::Arc;
 
 use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, TableDescription};
-use sqlx::{PgPool, Postgres};
+use sqlx::{Connection, PgPool, Postgres};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, SettleStatements, Statements, ident, query, ts, with_retries};
+use crate::sql::{
+    Failed, Fence, SettleStatements, Statements, ident, on_pool, query, ts, with_retries,
+};
 
 /// The lease strategy of one PostgreSQL table.
 #[derive(Debug)]
 pub struct PgLease {
     pool: PgPool,
+    /// Whether statements are prepared under a name (see `sql::query`).
+    prepared: bool,
     table: Arc<TableDescription>,
     claim: Arc<str>,
     /// FIFO tables: the guard prefix the claim binds.
@@ -82,12 +86,20 @@ impl PgLease {
         let settle = s.settle(&table, false, &fence);
         Self {
             pool,
+            prepared: true,
             table,
             claim: claim.into(),
             guard,
             renew: renew.into(),
             settle,
         }
+    }
+
+    /// Sends every statement unnamed, for a transaction-mode pooler.
+    pub(crate) fn unprepared(mut self) -> Self {
+        self.prepared = false;
+        self.settle.prepared = false;
+        self
     }
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
@@ -112,14 +124,16 @@ impl LeaseStrategy for PgLease {
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
         let rows = with_retries(|| async {
-            let mut q = query(&self.claim)
+            let mut q = query(&self.claim, self.prepared)
                 .bind(now_ms)
                 .bind(expires_ms)
                 .bind(i64::try_from(limit).unwrap_or(i64::MAX));
             if let Some(prefix) = &self.guard {
                 q = q.bind(fifo::window(limit)).bind(prefix.clone());
             }
-            q.fetch_all(&self.pool).await.map_err(Failed::new("claim"))
+            on_pool(&self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+                .await
+                .map_err(Failed::new("claim"))
         })
         .await
         .map_err(|e| e.on(self.table.name()))?;
@@ -135,12 +149,12 @@ impl LeaseStrategy for PgLease {
     /// A cancelled renewal leaves the old or the new expiry; the delivery keeps the old token.
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
         let done = with_retries(|| async {
-            query(&self.renew)
+            let q = query(&self.renew, self.prepared)
                 .bind(expires_ms)
                 .bind(id)
                 .bind(token.expires_ms)
-                .bind(token.attempt)
-                .execute(&self.pool)
+                .bind(token.attempt);
+            on_pool(&self.pool, self.prepared, |c| Box::pin(q.execute(c)))
                 .await
                 .map_err(Failed::new("renew"))
         })
@@ -154,9 +168,20 @@ impl LeaseStrategy for PgLease {
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         let changed = with_retries(|| async {
             let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
-            self.settle
-                .run(&mut conn, settle, Fence::Lease(token))
-                .await
+            if self.prepared {
+                return self
+                    .settle
+                    .run(&mut conn, settle, Fence::Lease(token))
+                    .await;
+            }
+            // Unnamed statements run inside a transaction (see `sql::on_pool`).
+            let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
+            let changed = self
+                .settle
+                .run(&mut tx, settle, Fence::Lease(token))
+                .await?;
+            tx.commit().await.map_err(Failed::new("commit"))?;
+            Ok(changed)
         })
         .await
         .map_err(|e| e.on(self.table.name()))?;

@@ -47,9 +47,9 @@
 //! - **Advisory mode and `LISTEN` need the session**: connect directly or through a
 //!   session-mode pooler. Behind a transaction-mode pooler (PgBouncer
 //!   `pool_mode = transaction`) a session advisory lock and the statements after it may reach
-//!   different server connections; preparing an advisory table checks that two statements reach
-//!   one backend and refuses the table otherwise, and wake-ups fall back to polling. Row lock and
-//!   lease work through any pooler.
+//!   different server connections; advisory tables are refused there, and wake-ups fall back to
+//!   polling. Row lock and lease work through it: see
+//!   [`PgBackend::behind_transaction_pooler`] (found out at the first prepare when not said).
 //! - **Advisory keys belong to the database**, not the table: two tables (or two services) with
 //!   the same key wait on each other. Keys are 64-bit hashes (`hashtextextended`); two keys with
 //!   the same hash share a lock. Each delivery in work holds a pool connection, and its

@@ -149,8 +149,9 @@ async fn notify_loop(t: Arc<TableNotifier>, pool: PgPool) {
             t.poke.notified().await;
             continue;
         }
-        let sent = sqlx::query("SELECT pg_notify($1::text, '')")
-            .bind(t.channel.as_str())
+        // The simple protocol (one message, no parameters: the channel is the broker's own hex
+        // name), so it passes a transaction-mode pooler too.
+        let sent = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("NOTIFY {}", t.channel)))
             .execute(&pool)
             .await;
         match sent {
@@ -174,6 +175,31 @@ pub(crate) async fn session_is_pinned(conn: &mut PgConnection) -> Result<bool, s
         .fetch_one(&mut *conn)
         .await?;
     Ok(first == second)
+}
+
+/// Whether the pool reaches the server through a transaction-mode pooler: two connections of
+/// the pool's options share a server session (a pooler hands the session a client just left to
+/// the next one; PgBouncer reuses the most recently freed first), or one connection's statements
+/// reach two. Runs on connections of its own, unprepared, and closes them.
+pub(crate) async fn transaction_pooled(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    use sqlx::Connection;
+    async fn pid(conn: &mut PgConnection) -> Result<i32, sqlx::Error> {
+        use sqlx::Row;
+        // The simple protocol: one message, which any pooler passes through whole.
+        sqlx::raw_sql("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await?
+            .try_get(0)
+    }
+    let options = pool.connect_options();
+    let mut a = PgConnection::connect_with(&options).await?;
+    let mut b = PgConnection::connect_with(&options).await?;
+    let first = pid(&mut a).await?;
+    let other = pid(&mut b).await?;
+    let again = pid(&mut a).await?;
+    let _ = a.close().await;
+    let _ = b.close().await;
+    Ok(first == other || first != again)
 }
 
 /// What to say when a pooler breaks session state.

@@ -28,6 +28,8 @@ const CLAIM_TRIES: u32 = 3;
 #[derive(Debug)]
 pub struct PgRowLock {
     pool: PgPool,
+    /// Whether statements are prepared under a name (see `sql::query`).
+    prepared: bool,
     table: Arc<TableDescription>,
     begin: Option<&'static str>,
     claim: Arc<str>,
@@ -74,12 +76,20 @@ impl PgRowLock {
         let settle = s.settle(&table, true, "");
         Self {
             pool,
+            prepared: true,
             table,
             begin,
             claim: claim.into(),
             guard,
             settle,
         }
+    }
+
+    /// Sends every statement unnamed, for a transaction-mode pooler.
+    pub(crate) fn unprepared(mut self) -> Self {
+        self.prepared = false;
+        self.settle.prepared = false;
+        self
     }
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
@@ -94,7 +104,7 @@ impl PgRowLock {
             None => self.pool.begin().await,
         }
         .map_err(Failed::new("claim begin"))?;
-        let mut q = query(&self.claim).bind(now_ms);
+        let mut q = query(&self.claim, self.prepared).bind(now_ms);
         if let Some(prefix) = &self.guard {
             q = q.bind(fifo::window(1)).bind(prefix.clone());
         }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Executor, PgConnection, SqlSafeStr};
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, SqlSafeStr};
 
 use crate::sql::ident;
 
@@ -142,20 +142,70 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
 pub(crate) async fn table_columns(
     conn: &mut PgConnection,
     t: &TableDescription,
+    prepared: bool,
 ) -> Result<Vec<String>, SqlxBrokerError> {
-    sqlx::query_scalar(
-        "SELECT a.attname::text FROM pg_attribute AS a \
+    let sql = "SELECT a.attname::text FROM pg_attribute AS a \
          WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped \
-         ORDER BY a.attnum",
-    )
-    .bind(ident(t.name()))
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| SqlxBrokerError::statement(t.name(), "column list", e))
+         ORDER BY a.attnum";
+    read_by_table::<(String,)>(conn, sql, &ident(t.name()), prepared)
+        .await
+        .map(|rows| rows.into_iter().map(|(c,)| c).collect())
+        .map_err(|e| SqlxBrokerError::statement(t.name(), "column list", e))
+}
+
+/// Runs a catalog query that binds the quoted table name: as it is, or inside a transaction
+/// (that rolls back as it drops) when statements go unnamed (see `sql::on_pool`).
+async fn read_by_table<R>(
+    conn: &mut PgConnection,
+    sql: &'static str,
+    table: &str,
+    prepared: bool,
+) -> Result<Vec<R>, sqlx::Error>
+where
+    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+{
+    async fn read<R>(
+        conn: &mut PgConnection,
+        sql: &'static str,
+        table: &str,
+        prepared: bool,
+    ) -> Result<Vec<R>, sqlx::Error>
+    where
+        R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        sqlx::query_as(sql)
+            .persistent(prepared)
+            .bind(table)
+            .fetch_all(&mut *conn)
+            .await
+    }
+    if prepared {
+        return read(conn, sql, table, prepared).await;
+    }
+    let mut tx = conn.begin().await?;
+    read(&mut tx, sql, table, prepared).await
 }
 
 fn prepare_sql(sql: String) -> sqlx::SqlStr {
     AssertSqlSafe(sql).into_sql_str()
+}
+
+/// Checks that `sql` prepares: under sqlx's name for it (`prepared`), or, for a transaction-mode
+/// pooler that loses named statements between transactions, with `PREPARE` and `DEALLOCATE`
+/// inside one transaction that rolls back (the server checks it the same way; the pooler keeps
+/// the transaction on one server session).
+async fn probe(conn: &mut PgConnection, sql: String, prepared: bool) -> Result<(), sqlx::Error> {
+    if prepared {
+        return conn.prepare(prepare_sql(sql)).await.map(drop);
+    }
+    let mut tx = conn.begin().await?;
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE sqlx_broker_check AS {sql}")))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql(AssertSqlSafe("DEALLOCATE sqlx_broker_check".to_owned()))
+        .execute(&mut *tx)
+        .await?;
+    tx.rollback().await
 }
 
 /// Checks that the table and each named column exist, that the id and attempt columns are
@@ -164,6 +214,7 @@ pub(crate) async fn check(
     conn: &mut PgConnection,
     t: &TableDescription,
     statements: &[(&'static str, &str)],
+    prepared: bool,
 ) -> Result<(), SqlxBrokerError> {
     let table = ident(t.name());
     let schema = |what: String, statement: &'static str, source| SqlxBrokerError::Schema {
@@ -172,7 +223,7 @@ pub(crate) async fn check(
         statement,
         source,
     };
-    conn.prepare(prepare_sql(format!("SELECT * FROM {table} LIMIT 0")))
+    probe(conn, format!("SELECT * FROM {table} LIMIT 0"), prepared)
         .await
         .map_err(|e| {
             schema(
@@ -182,8 +233,8 @@ pub(crate) async fn check(
             )
         })?;
     for (column, role) in t.named_columns() {
-        let probe = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
-        conn.prepare(prepare_sql(probe)).await.map_err(|e| {
+        let sql = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
+        probe(conn, sql, prepared).await.map_err(|e| {
             schema(
                 format!("column \"{column}\" ({role}) is missing; add it or fix the description"),
                 "column check",
@@ -191,12 +242,13 @@ pub(crate) async fn check(
             )
         })?;
     }
-    let types: HashMap<String, String> = sqlx::query_as(
+    let types: HashMap<String, String> = read_by_table::<(String, String)>(
+        conn,
         "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute AS a \
          WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped",
+        &table,
+        prepared,
     )
-    .bind(&table)
-    .fetch_all(&mut *conn)
     .await
     .map_err(|e| schema("cannot read the table's columns".into(), "column check", e))?
     .into_iter()
@@ -235,8 +287,8 @@ pub(crate) async fn check(
         }
     }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
-        let probe = format!("SELECT * FROM {} LIMIT 0", ident(d));
-        conn.prepare(prepare_sql(probe)).await.map_err(|e| {
+        let sql = format!("SELECT * FROM {} LIMIT 0", ident(d));
+        probe(conn, sql, prepared).await.map_err(|e| {
             schema(
                 format!(
                     "the dead-letter table \"{d}\" does not exist; create it (see the DDL helper)"
@@ -247,15 +299,13 @@ pub(crate) async fn check(
         })?;
     }
     for (name, sql) in statements {
-        conn.prepare(prepare_sql(sql.to_string()))
-            .await
-            .map_err(|e| {
-                schema(
-                    "a statement does not prepare; check the column types and names".into(),
-                    name,
-                    e,
-                )
-            })?;
+        probe(conn, sql.to_string(), prepared).await.map_err(|e| {
+            schema(
+                "a statement does not prepare; check the column types and names".into(),
+                name,
+                e,
+            )
+        })?;
     }
     Ok(())
 }

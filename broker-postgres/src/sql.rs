@@ -103,11 +103,42 @@ where
     }
 }
 
-/// Runs a statement text (a broker-built statement, never user input) as a query.
+/// Runs a statement text (a broker-built statement, never user input) as a query: prepared under
+/// a name and cached per connection (`prepared`), or sent as an unnamed statement, which a
+/// transaction-mode pooler passes through (see `PgBackend::behind_transaction_pooler`).
 pub(crate) fn query(
     sql: &Arc<str>,
+    prepared: bool,
 ) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(AssertSqlSafe(sql.clone()))
+    sqlx::query(AssertSqlSafe(sql.clone())).persistent(prepared)
+}
+
+/// A future on a borrowed connection, as [`on_pool`] takes.
+pub(crate) type ConnFuture<'c, T> =
+    std::pin::Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'c>>;
+
+/// Runs `f` on a connection of `pool`: as it is when statements are prepared, or inside a
+/// transaction of its own when they go unnamed (behind a transaction-mode pooler). sqlx sends an
+/// unnamed statement as a parse and a sync, then a bind, an execute and another sync; between
+/// the two syncs a transaction-mode pooler may give the server session to another client, and
+/// the bind would then meet that client's statement (seen through PgBouncer 1.18: "unnamed
+/// prepared statement does not exist", "bind message supplies 3 parameters, but prepared
+/// statement \"\" requires 1"). Inside a transaction the pooler keeps the session.
+pub(crate) async fn on_pool<T>(
+    pool: &sqlx::PgPool,
+    prepared: bool,
+    f: impl for<'c> FnOnce(&'c mut PgConnection) -> ConnFuture<'c, T>,
+) -> Result<T, sqlx::Error> {
+    use sqlx::Connection;
+    if prepared {
+        let mut conn = pool.acquire().await?;
+        return f(&mut conn).await;
+    }
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn.begin().await?;
+    let out = f(&mut tx).await?;
+    tx.commit().await?;
+    Ok(out)
 }
 
 /// The statements of one table, built once at subscribe time. Every statement names the queue
@@ -295,6 +326,7 @@ impl Statements {
             None => DeadStatements::None,
         };
         SettleStatements {
+            prepared: true,
             ack: ack.into(),
             retry: retry.into(),
             dead: dead.into_arcs(),
@@ -318,6 +350,8 @@ pub(crate) enum Fence {
 /// Settlement statements of one mode.
 #[derive(Debug, Clone)]
 pub(crate) struct SettleStatements {
+    /// Whether the statements are prepared under a name (see [`query`]).
+    pub(crate) prepared: bool,
     pub(crate) ack: Arc<str>,
     /// `$2` is the due time (NULL: due at once).
     pub(crate) retry: Arc<str>,
@@ -361,7 +395,7 @@ impl SettleStatements {
     ) -> Result<u64, Failed> {
         // Parameters: $1 id, $2 the time the statement writes, then the fence's from $3.
         let bind = |sql: &Arc<str>, value: Option<i64>| {
-            let q = query(sql).bind(settle.id).bind(value);
+            let q = query(sql, self.prepared).bind(settle.id).bind(value);
             match fence {
                 Fence::None => q,
                 Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),

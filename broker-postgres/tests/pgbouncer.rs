@@ -1,0 +1,205 @@
+//! Row lock and lease through PgBouncer in transaction mode (`SQLX_BROKER_PGBOUNCER_URL`,
+//! default `postgres://postgres@127.0.0.1:6432/test`; `.ci/run` installs and starts it, and the
+//! tests start it with `.ci/pgbouncer.sh` when nothing answers at the default). The backend finds
+//! the pooler at the first prepare: statements go unnamed, wake-ups poll, advisory tables are
+//! refused with the pooler message. Each test's database is made directly on the server and
+//! reached through PgBouncer.
+
+mod common;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use broker_core::{Broker, ClaimMode, SqlxBrokerError};
+use broker_postgres::{PgBackend, PgBroker};
+use broker_testkit::Fixture;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+fn pgbouncer_url() -> String {
+    std::env::var("SQLX_BROKER_PGBOUNCER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_owned())
+}
+
+/// Starts the local PgBouncer with `.ci/pgbouncer.sh` when none answers at the default URL.
+async fn ensure_local_pgbouncer() {
+    static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    if std::env::var_os("SQLX_BROKER_PGBOUNCER_URL").is_some() {
+        return;
+    }
+    STARTED
+        .get_or_init(|| async {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pgbouncer.sh");
+            let status = tokio::task::spawn_blocking(move || {
+                std::process::Command::new("bash").arg(script).status()
+            })
+            .await
+            .expect("the script's task")
+            .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+            assert!(status.success(), "{script} could not start PgBouncer");
+        })
+        .await;
+}
+
+/// `url` (a direct one) with PgBouncer's host and port, same database.
+fn through_pgbouncer(url: &str) -> String {
+    let database = PgConnectOptions::from_str(url)
+        .unwrap()
+        .get_database()
+        .unwrap()
+        .to_owned();
+    let base = pgbouncer_url();
+    let cut = base.rfind('/').expect("a PgBouncer URL with a database");
+    format!("{}/{database}", &base[..cut])
+}
+
+/// `url` (through PgBouncer) with the server's host and port, same database.
+fn direct(url: &str) -> String {
+    let database = PgConnectOptions::from_str(url)
+        .unwrap()
+        .get_database()
+        .unwrap()
+        .to_owned();
+    let base = common::base_url();
+    let cut = base.rfind('/').expect("a PostgreSQL URL with a database");
+    format!("{}/{database}", &base[..cut])
+}
+
+/// The conformance suite's view of PostgreSQL through PgBouncer.
+pub(crate) struct PgBouncer;
+
+impl broker_testkit::TestDb for PgBouncer {
+    type B = PgBackend;
+    type Job = broker_testkit::Job;
+    type Text = String;
+
+    async fn database() -> String {
+        ensure_local_pgbouncer().await;
+        through_pgbouncer(&common::create_database().await)
+    }
+
+    async fn connect(url: &str) -> PgBroker {
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .min_connections(0)
+            .idle_timeout(Duration::from_secs(5))
+            .acquire_timeout(Duration::from_secs(20))
+            .connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("PgBouncer at {url} is unreachable: {e}"));
+        Broker::new(PgBackend::new(pool))
+    }
+
+    async fn key_is_held(broker: &PgBroker, key: &str) -> bool {
+        common::key_is_held(broker, key).await
+    }
+
+    async fn kill_connections(_broker: &PgBroker) -> Option<usize> {
+        // The broker's connections end at PgBouncer; killing server sessions would cut other
+        // clients' transactions too. The direct suite covers killed connections.
+        None
+    }
+
+    async fn leaks(broker: &PgBroker) -> Vec<String> {
+        // Server sessions belong to PgBouncer: what the broker can leak is pool connections.
+        let pool = broker.pool();
+        let in_use = usize::try_from(pool.size())
+            .unwrap_or(usize::MAX)
+            .saturating_sub(pool.num_idle());
+        if in_use > 0 {
+            vec![format!("{in_use} pool connections in use")]
+        } else {
+            Vec::new()
+        }
+    }
+
+    async fn drop_database(url: &str) {
+        common::drop_database(&direct(url)).await;
+    }
+}
+
+macro_rules! through_pgbouncer {
+    ($($case:ident),* $(,)?) => {
+        mod row_lock {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    broker_testkit::cases::$case::<PgBouncer>(ClaimMode::RowLock).await;
+                }
+            )*
+        }
+        mod lease {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    broker_testkit::cases::$case::<PgBouncer>(ClaimMode::Lease).await;
+                }
+            )*
+        }
+    };
+}
+
+through_pgbouncer!(
+    first_delivery_reads_attempt_one,
+    attempts_count_across_retries,
+    a_dropped_delivery_counts_as_its_mode_says,
+    ack_deletes_the_row,
+    ack_marks_processed_at,
+    retry_after_hides_the_row_until_due,
+    exhausted_rows_move_to_the_dead_letter_table,
+    two_subscriptions_never_hold_one_row,
+    fifo_groups_run_in_order_one_at_a_time,
+    higher_priority_runs_first,
+    shutdown_leaves_no_row_claimed_and_no_key_held,
+    a_handler_error_is_a_retry,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_advisory_table_is_refused_with_the_pooler_message() {
+    let url = PgBouncer::database().await;
+    let broker = <PgBouncer as broker_testkit::TestDb>::connect(&url).await;
+    let table = broker_testkit::describe(&broker_testkit::unique_name("ad"), ClaimMode::Advisory)
+        .build()
+        .unwrap();
+    broker.create_tables(&table).await.unwrap();
+    let err = broker
+        .queue::<broker_testkit::Job>(table.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SqlxBrokerError::Unsupported { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("transaction-mode pooler") && msg.contains("session-mode"),
+        "{msg}"
+    );
+    assert!(
+        !broker.backend().capabilities().cross_process_wakeups,
+        "LISTEN is off behind the pooler"
+    );
+    let _ = broker.drop_tables(&table).await;
+    broker.close().await;
+    PgBouncer::drop_database(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_queue_said_to_be_behind_a_pooler_prepares_without_the_check() {
+    let mut fx = Fixture::<PgBouncer>::new(ClaimMode::Lease, |b| b)
+        .await
+        .unwrap();
+    let pool = fx.broker.pool().clone();
+    let broker = Broker::new(PgBackend::new(pool).behind_transaction_pooler());
+    let q = broker
+        .queue::<broker_testkit::Job>(fx.table.clone())
+        .await
+        .unwrap();
+    let ids = fx.publish(&q, 3).await;
+    let got = broker_testkit::claim_one(&q).await;
+    assert_eq!(got.id(), ids[0]);
+    got.ack().await.unwrap();
+    let _ = fx.other_queue().await;
+    fx.cleanup().await;
+}
+
+use broker_core::Backend as _;
+use broker_testkit::TestDb as _;
