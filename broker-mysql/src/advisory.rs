@@ -26,7 +26,10 @@ use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
 
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
-use crate::sql::{Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident};
+use crate::sql::{
+    Args, ErrorClass, P, SettleStatements, Sql, Statements, Stmt, begin_sql, classify, ident,
+    settle_retrying,
+};
 
 /// The longest lock name, in characters, that both servers take as it is.
 pub const MAX_LOCK_NAME_CHARS: usize = 64;
@@ -422,6 +425,28 @@ impl AdvisoryStrategy for MySqlAdvisory {
             .run(lock.conn(), self.table.name(), settle, None, false)
             .await;
         lock.in_flight = false;
+        // The key's session was lost under the delivery (its key is free now): the settlement
+        // is fenced on the attempt the take wrote, so it runs again on pool connections for a
+        // while, and changes nothing if the row was taken again meanwhile.
+        let out = match out {
+            Err(e)
+                if e.sqlx_source()
+                    .is_some_and(|s| classify(s) == ErrorClass::Connection) =>
+            {
+                let deadline = broker_core::clock::after_ms(std::time::Duration::from_secs(10));
+                settle_retrying(self.table.name(), "settle", deadline, || async {
+                    let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+                    let out = self
+                        .settle
+                        .run(&mut conn, self.table.name(), settle, None, false)
+                        .await;
+                    conn.finish();
+                    out
+                })
+                .await
+            }
+            other => other,
+        };
         match out? {
             true => Ok(()),
             false => Err(SqlxBrokerError::ClaimLost {

@@ -18,7 +18,8 @@ use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying, whole_seconds,
+    Args, LEASE_MARGIN_MS, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
+    settle_retrying, whole_seconds,
 };
 
 /// The lease strategy of one MySQL / MariaDB table.
@@ -228,16 +229,18 @@ impl LeaseStrategy for MySqlLease {
     }
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
-        retrying(self.table.name(), "renew", || {
+        let deadline = token.expires_ms - LEASE_MARGIN_MS;
+        settle_retrying(self.table.name(), "renew", deadline, || {
             self.renew_once(id, token, expires_ms)
         })
         .await
     }
 
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
-        // Every settlement is fenced on the token, so running one again after a deadlock
-        // changes nothing twice.
-        retrying(self.table.name(), "settle", || {
+        // Every settlement is fenced on the token, so running one again after a deadlock or a
+        // lost connection changes nothing twice.
+        let deadline = token.expires_ms - LEASE_MARGIN_MS;
+        settle_retrying(self.table.name(), "settle", deadline, || {
             self.settle_once(token, settle)
         })
         .await

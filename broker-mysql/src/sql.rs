@@ -612,6 +612,42 @@ where
     }
 }
 
+/// Runs a fenced settlement (or renewal) `work` again after a lost connection, on a fresh one,
+/// with a backoff from 50 ms doubling to 1 s, while the host's clock is before `deadline_ms`
+/// (a lease's expiry less a margin: past it another claim may hold the row); errors the server
+/// undid run again as in [`retrying`]. A try whose connection was lost may have landed: the
+/// fence makes the next try change nothing then. So a server restart or a killed session costs
+/// a settlement some waiting, not a second run of its handler.
+pub(crate) async fn settle_retrying<T, F, Fut>(
+    table: &str,
+    what: &'static str,
+    deadline_ms: i64,
+    mut work: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match retrying(table, what, &mut work).await {
+            Err(e)
+                if e.sqlx_source()
+                    .is_some_and(|s| classify(s) == ErrorClass::Connection)
+                    && broker_core::clock::after_ms(backoff) < deadline_ms =>
+            {
+                tracing::debug!(table, what, error = %e, ?backoff, "connection lost; running the fenced statement again on a fresh connection");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// How long before a lease's expiry a settlement stops trying again after connection errors.
+pub(crate) const LEASE_MARGIN_MS: i64 = 1_000;
+
 /// Executes a statement that takes no parameters over the text protocol (transaction control:
 /// `SAVEPOINT`, `ROLLBACK TO SAVEPOINT`).
 pub(crate) async fn execute_plain(

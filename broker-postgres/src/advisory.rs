@@ -21,7 +21,13 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, SettleStatements, Statements, ident, query, with_retries};
+use crate::sql::{
+    ErrorClass, Failed, Fence, SettleStatements, Statements, classify, ident, query,
+    settle_retries, with_retries,
+};
+
+/// How long an advisory settlement whose key session went away runs again on pool connections.
+const ADVISORY_SETTLE_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A held advisory key: the pool connection whose session holds the lock.
 ///
@@ -258,16 +264,33 @@ impl AdvisoryStrategy for PgAdvisory {
     async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
         let conn = lock.conn();
         let mut tries = 0;
-        let changed = loop {
+        let first = loop {
             match self
                 .settle
                 .run(conn, settle, Fence::Attempt(settle.attempt))
                 .await
             {
                 Err(e) if e.is_transient() && tries < 3 => tries += 1,
-                other => break other.map_err(|e| e.on(self.table.name()))?,
+                other => break other,
             }
         };
+        let changed = match first {
+            // The key's session went away under the delivery (its key is free now): the
+            // settlement is fenced on the attempt the take wrote, so it runs again on pool
+            // connections for a while, and changes nothing if the row was taken again meanwhile.
+            Err(e) if classify(&e.source) == ErrorClass::Connection => {
+                let deadline = broker_core::clock::after_ms(ADVISORY_SETTLE_RETRY);
+                settle_retries(deadline, || async {
+                    let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
+                    self.settle
+                        .run(&mut conn, settle, Fence::Attempt(settle.attempt))
+                        .await
+                })
+                .await
+            }
+            other => other,
+        }
+        .map_err(|e| e.on(self.table.name()))?;
         if changed == 1 {
             Ok(())
         } else {

@@ -12,7 +12,8 @@ use sqlx::{Connection, PgPool, Postgres};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, SettleStatements, Statements, ident, on_pool, query, ts, with_retries,
+    Failed, Fence, LEASE_MARGIN_MS, SettleStatements, Statements, ident, on_pool, query,
+    settle_retries, ts, with_retries,
 };
 
 /// The lease strategy of one PostgreSQL table.
@@ -148,7 +149,7 @@ impl LeaseStrategy for PgLease {
     /// # Cancel safety
     /// A cancelled renewal leaves the old or the new expiry; the delivery keeps the old token.
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
-        let done = with_retries(|| async {
+        let done = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || async {
             let q = query(&self.renew, self.prepared)
                 .bind(expires_ms)
                 .bind(id)
@@ -166,7 +167,9 @@ impl LeaseStrategy for PgLease {
     /// # Cancel safety
     /// Not cancel safe: a cancelled settlement may or may not have landed.
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
-        let changed = with_retries(|| async {
+        // Fenced on the token, so a try after one whose connection failed mid-statement changes
+        // nothing twice.
+        let changed = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || async {
             let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
             if self.prepared {
                 return self

@@ -41,6 +41,10 @@ pub enum ErrorClass {
     /// Serialization failure (`40001`), deadlock (`40P01`) or lock not available (`55P03`):
     /// the statement changed nothing and can run again.
     Transient,
+    /// The connection failed or the server went away (I/O errors, class `08`, `57P01`-`57P03`
+    /// shutdowns, a pool that cannot connect): the statement may or may not have landed, and a
+    /// fresh connection may succeed. Fenced settlements run again on one while their claim holds.
+    Connection,
     /// Anything else.
     Permanent,
 }
@@ -52,8 +56,15 @@ pub fn classify(err: &sqlx::Error) -> ErrorClass {
     match err {
         sqlx::Error::Database(db) => match db.code().as_deref() {
             Some("40001" | "40P01" | "55P03") => ErrorClass::Transient,
+            Some(code) if code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03") => {
+                ErrorClass::Connection
+            }
             _ => ErrorClass::Permanent,
         },
+        // A terminated session can also surface as an unexpected message or a closed stream.
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut => {
+            ErrorClass::Connection
+        }
         _ => ErrorClass::Permanent,
     }
 }
@@ -81,6 +92,42 @@ impl Failed {
         SqlxBrokerError::statement(table, self.name, self.source)
     }
 }
+
+/// Runs a fenced settlement (or renewal) `f` again on a fresh connection after a connection
+/// error, with a backoff from 50 ms doubling to 1 s, while the host's clock is before
+/// `deadline_ms` (the lease's expiry less a margin: past it another claim may hold the row and
+/// the fence would refuse anyway); transient errors run again as in [`with_retries`]. A try
+/// whose connection failed may have landed: the fence makes the next try change nothing then,
+/// and report the claim lost. So a server restart or a terminated session costs a settlement
+/// some waiting, not a second run of its handler.
+pub(crate) async fn settle_retries<T, F, Fut>(deadline_ms: i64, mut f: F) -> Result<T, Failed>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Failed>>,
+{
+    let mut transient = 0;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match f().await {
+            Err(e) if e.is_transient() && transient < TRANSIENT_RETRIES => {
+                transient += 1;
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(transient))).await;
+            }
+            Err(e)
+                if classify(&e.source) == ErrorClass::Connection
+                    && broker_core::clock::after_ms(backoff) < deadline_ms =>
+            {
+                tracing::debug!(statement = e.name, error = %e.source, ?backoff, "connection failed; running the fenced statement again on a fresh connection");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// How long before a lease's expiry a settlement stops trying again after connection errors.
+pub(crate) const LEASE_MARGIN_MS: i64 = 1_000;
 
 /// Runs `f` again on a transient error, up to [`TRANSIENT_RETRIES`] times, with a short pause
 /// that grows with each try. Only for work that a failed try leaves unchanged (one statement in

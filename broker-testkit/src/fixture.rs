@@ -88,6 +88,17 @@ pub trait TestDb: Send + Sync + 'static {
     /// connections of its pool in use. Empty when nothing leaks.
     fn leaks(broker: &Broker<Self::B>) -> impl Future<Output = Vec<String>> + Send;
 
+    /// Makes every `DELETE` on `table` take about 20 ms on the server (a trigger that sleeps), so
+    /// a fault case finds settlements in flight when it strikes; `false` where the backend
+    /// cannot.
+    fn slow_down_deletes(
+        broker: &Broker<Self::B>,
+        table: &str,
+    ) -> impl Future<Output = bool> + Send {
+        let _ = (broker, table);
+        async { false }
+    }
+
     /// Removes what [`database`](Self::database) made, if anything.
     fn drop_database(url: &str) -> impl Future<Output = ()> + Send {
         let _ = url;

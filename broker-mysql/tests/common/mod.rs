@@ -316,4 +316,18 @@ impl broker_testkit::TestDb for MySql {
     async fn drop_database(url: &str) {
         drop_database(url).await;
     }
+
+    async fn slow_down_deletes(broker: &MySqlBroker, table: &str) -> bool {
+        let sql = format!(
+            "CREATE TRIGGER `{trigger}` BEFORE DELETE ON `{table}` FOR EACH ROW SET @sqlx_broker_slow = SLEEP(0.02)",
+            trigger = format!("{table}_slow").replace('`', "``"),
+            table = table.replace('`', "``"),
+        );
+        broker
+            .pool()
+            .execute(sqlx::AssertSqlSafe(sql))
+            .await
+            .expect("create the slow-delete trigger");
+        true
+    }
 }

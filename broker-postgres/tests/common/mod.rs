@@ -298,4 +298,29 @@ impl broker_testkit::TestDb for Pg {
     async fn drop_database(url: &str) {
         drop_database(url).await;
     }
+
+    async fn slow_down_deletes(broker: &PgBroker, table: &str) -> bool {
+        let function = format!("{}_slow_delete", table);
+        let statements = [
+            format!(
+                "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN PERFORM pg_sleep(0.02); RETURN OLD; END $$",
+                f = quote(&function)
+            ),
+            format!(
+                "CREATE TRIGGER {t} BEFORE DELETE ON {table} FOR EACH ROW EXECUTE FUNCTION {f}()",
+                t = quote(&format!("{table}_slow")),
+                table = quote(table),
+                f = quote(&function)
+            ),
+        ];
+        for sql in statements {
+            broker
+                .pool()
+                .execute(AssertSqlSafe(sql))
+                .await
+                .expect("create the slow-delete trigger");
+        }
+        true
+    }
 }

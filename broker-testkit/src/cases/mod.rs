@@ -8,6 +8,7 @@ mod concurrency;
 mod description;
 mod faults;
 mod lifecycle;
+mod restart;
 mod settle;
 
 pub use attempts::*;
@@ -16,6 +17,7 @@ pub use concurrency::*;
 pub use description::*;
 pub use faults::*;
 pub use lifecycle::*;
+pub use restart::*;
 pub use settle::*;
 
 use broker_core::{Delivery, Queue};

@@ -1,0 +1,104 @@
+//! Settlements across killed connections: a lease drain whose broker loses every server
+//! connection eight times must recover by itself, lose nothing, and run no handler twice,
+//! because a lease settlement that fails with a connection error runs again on a fresh
+//! connection while its lease holds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use broker_core::{Backend, ClaimMode, Outcome, SubscribeOptions};
+
+use crate::{Fixture, TestDb, report, wait_until};
+
+/// Rows of the drain.
+const ROWS: usize = 200;
+/// How often the broker's connections are killed, spread over the drain.
+const KILLS: usize = 8;
+
+/// A lease drain (8 workers, 200 rows, a 4 s lease) while every server connection of the
+/// broker is terminated eight times: every row is acked exactly once (no handler runs twice: the
+/// acks cut by a kill ran again on fresh connections before their leases ran out), and the
+/// subscription keeps going on its own. Only for databases with server connections.
+pub async fn lease_settlements_survive_killed_connections_without_reruns<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(4))
+        .await
+        .expect("lease mode is offered");
+    let database = fx.broker.backend().capabilities().database;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, ROWS).await;
+    // With slow deletes most workers are mid-ack at any moment, so the kills cut acks.
+    let slowed = D::slow_down_deletes(&fx.broker, fx.table.name()).await;
+    let runs: Arc<Mutex<HashMap<i64, usize>>> = Arc::default();
+    let seen = runs.clone();
+    let started = Instant::now();
+    let sub = q.subscribe(
+        SubscribeOptions::new()
+            .concurrency(8)
+            .poll_interval(Duration::from_millis(100)),
+        move |job| {
+            *seen.lock().unwrap().entry(job.id()).or_default() += 1;
+            Box::pin(async move {
+                // Long enough that kills find deliveries in work and settling.
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                Ok(Outcome::Ack)
+            })
+        },
+    );
+    let ran = |runs: &Arc<Mutex<HashMap<i64, usize>>>| runs.lock().unwrap().len();
+    let mut killed = 0;
+    for k in 1..=KILLS {
+        let target = ROWS * k / (KILLS + 1);
+        wait_until("the drain to move on", Duration::from_secs(60), || {
+            let runs = runs.clone();
+            async move { ran(&runs) >= target }
+        })
+        .await;
+        killed += D::kill_connections(&fx.broker)
+            .await
+            .expect("this case runs only where there are server connections to kill");
+    }
+    // Rows a claim took just as its connection died come back when their lease runs out.
+    wait_until("every row run and settled", Duration::from_secs(60), || {
+        let (runs, q) = (runs.clone(), q.clone());
+        async move {
+            let m = q.metrics();
+            ran(&runs) == ROWS && m.in_work == 0 && m.acked + m.lease_lost >= ROWS as u64
+        }
+    })
+    .await;
+    let elapsed = started.elapsed();
+    sub.shutdown().await;
+    for id in &ids {
+        assert_eq!(
+            q.row_state(*id).await.expect("read the row"),
+            None,
+            "row {id} is still in the table after its ack"
+        );
+    }
+    let reruns: Vec<(i64, usize)> = runs
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, n)| (*id, *n))
+        .collect();
+    let m = q.metrics();
+    report(&format!(
+        "{database} lease settlements across killed connections: {ROWS} rows, {KILLS} kills, {killed} connections terminated{}, {} handlers run twice, {} acks found their row already gone, {:.1} s",
+        if slowed {
+            " (acks slowed to ~20 ms)"
+        } else {
+            ""
+        },
+        reruns.len(),
+        m.lease_lost,
+        elapsed.as_secs_f64()
+    ));
+    assert!(killed > 0, "the kills must terminate connections");
+    assert!(
+        reruns.is_empty(),
+        "handlers ran twice for rows {reruns:?}: settlements cut by a kill were not run again in time"
+    );
+    fx.cleanup().await;
+}
