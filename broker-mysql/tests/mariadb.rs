@@ -24,9 +24,7 @@ async fn fixture(
     mode: ClaimMode,
     tweak: impl FnOnce(broker_core::TableBuilder) -> broker_core::TableBuilder,
 ) -> Fx {
-    Fixture::<MySql>::new(mode, tweak)
-        .await
-        .expect("MySQL and MariaDB offer every mode")
+    Fixture::<MySql>::new(mode, tweak).await
 }
 
 /// Waits (up to 5 s) until none of `keys` is held by any session and the broker's sessions sit

@@ -73,9 +73,7 @@ mod case {
     }
 
     async fn fixture(mode: ClaimMode) -> Fx {
-        Fixture::<Pg>::new(mode, |b| b)
-            .await
-            .expect("PostgreSQL offers every mode")
+        Fixture::<Pg>::new(mode, |b| b).await
     }
 
     async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
@@ -122,9 +120,7 @@ mod case {
 
     pub(super) async fn row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction()
      {
-        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
-            .await
-            .unwrap();
+        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
         settlement_and_shutdown_leave_nothing_held(fx).await;
     }
 
@@ -275,9 +271,7 @@ mod case {
     }
 
     pub(super) async fn a_fifo_head_in_an_open_transaction_keeps_its_group_from_every_broker() {
-        let mut fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
-            .await
-            .unwrap();
+        let mut fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
         let q = fx.queue().await;
         let other = fx.other_queue().await;
         let jobs = vec![
@@ -410,8 +404,7 @@ mod case {
                 .column("raw", ColumnType::Bytes)
                 .priority("prio")
         })
-        .await
-        .unwrap();
+        .await;
         let q = fx.queue().await;
         let ids = q
             .publish_batch(&[
@@ -513,8 +506,7 @@ mod case {
                 b.max_attempts(1)
                     .dead_letter(broker_core::DeadLetter::Table(dead))
             })
-            .await
-            .unwrap();
+            .await;
             let q = fx.queue().await;
             fx.publish(&q, 1).await;
             // Every statement of the mode runs once, so the pool's connections cache them.

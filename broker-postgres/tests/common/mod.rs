@@ -291,6 +291,14 @@ impl broker_testkit::TestDb for Pg {
         Some(kill_connections(broker).await)
     }
 
+    async fn execute(broker: &PgBroker, sql: &str) -> u64 {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(broker.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
+    }
+
     async fn leaks(broker: &PgBroker) -> Vec<String> {
         leaks(broker).await
     }

@@ -10,9 +10,7 @@ use crate::{Fixture, TestDb, wait_until};
 /// Graceful shutdown lets handlers in work finish and settle, and leaves no row claimed and no
 /// key held: another broker can claim every remaining row at once.
 pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: ClaimMode) {
-    let Some(mut fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let ids = fx.publish(&q, 6).await;
@@ -61,9 +59,7 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
 /// Handlers still running at the shutdown deadline are dropped and their rows released at once
 /// (row lock: rolled back, attempt unused; lease: released; advisory: unlocked).
 pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode: ClaimMode) {
-    let Some(mut fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     fx.publish(&q, 2).await;
@@ -110,9 +106,7 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
 
 /// A publish inside the caller's transaction commits with it or not at all.
 pub async fn a_publish_in_a_rolled_back_transaction_leaves_no_row<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
     let mut tx = fx.broker.pool().begin().await.unwrap();
     let gone = q.publish_in(&mut *tx, &[fx.job(0)]).await.unwrap()[0];
@@ -130,9 +124,7 @@ pub async fn a_publish_in_a_rolled_back_transaction_leaves_no_row<D: TestDb>() {
 
 /// After the broker closes, claims and settlements are refused with `Closed`, naming the table.
 pub async fn a_settlement_after_close_is_refused<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
     fx.publish(&q, 1).await;
     let d = claim_one::<D>(&q).await;
@@ -151,9 +143,7 @@ pub async fn a_settlement_after_close_is_refused<D: TestDb>() {
 /// A publish through the broker wakes an idle subscription of the table in the same process,
 /// long before its poll.
 pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
     let sub = q.subscribe(
         SubscribeOptions::new().poll_interval(Duration::from_secs(60)),

@@ -2,18 +2,14 @@
 
 use std::time::{Duration, Instant};
 
-use broker_core::{
-    ClaimMode, ColumnType, DeadLetter, NewJob, Outcome, SqlxBrokerError, SubscribeOptions,
-};
+use broker_core::{ClaimMode, ColumnType, DeadLetter, NewJob, Outcome, SubscribeOptions};
 
 use super::claim_one;
 use crate::{Fixture, JobText, TestDb, unique_name, wait_until};
 
 /// Ack deletes the row when the table has no `processed_at`.
 pub async fn ack_deletes_the_row<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     claim_one::<D>(&q).await.ack().await.unwrap();
@@ -25,9 +21,7 @@ pub async fn ack_deletes_the_row<D: TestDb>(mode: ClaimMode) {
 
 /// Ack sets `processed_at` when the table has it; the row stays and is never claimed again.
 pub async fn ack_marks_processed_at<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b.processed_at("done_at")).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b.processed_at("done_at")).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     claim_one::<D>(&q).await.ack().await.unwrap();
@@ -39,9 +33,7 @@ pub async fn ack_marks_processed_at<D: TestDb>(mode: ClaimMode) {
 
 /// A delayed retry hides the row until its due time, then it is claimed again.
 pub async fn retry_after_hides_the_row_until_due<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     fx.publish(&q, 1).await;
     let start = Instant::now();
@@ -64,9 +56,7 @@ pub async fn retry_after_hides_the_row_until_due<D: TestDb>(mode: ClaimMode) {
 
 /// A row published with a future due time is not claimed before it.
 pub async fn scheduled_rows_are_not_claimed_early<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let start = Instant::now();
     q.publish(fx.job(0).run_after(Duration::from_millis(1200)))
@@ -90,9 +80,7 @@ pub async fn scheduled_rows_are_not_claimed_early<D: TestDb>(mode: ClaimMode) {
 }
 
 async fn dead_letter_case<D: TestDb>(mode: ClaimMode, target: DeadLetter) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b.max_attempts(3).dead_letter(target)).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b.max_attempts(3).dead_letter(target)).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     for attempt in 1..=3 {
@@ -132,9 +120,7 @@ pub async fn exhausted_rows_get_the_dead_letter_mark<D: TestDb>(mode: ClaimMode)
 
 /// Higher priority is claimed first; equal priorities in publish order.
 pub async fn higher_priority_runs_first<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b.priority("prio")).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b.priority("prio")).await;
     let q = fx.queue().await;
     let jobs = vec![
         fx.job(0).priority(1),
@@ -153,42 +139,10 @@ pub async fn higher_priority_runs_first<D: TestDb>(mode: ClaimMode) {
     fx.cleanup().await;
 }
 
-/// A lease that ran out and was claimed again cannot be settled by its old holder: the
-/// settlement returns `LeaseLost` and changes nothing; the new holder settles.
-pub async fn a_stale_lease_holder_cannot_settle<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await else {
-        return;
-    };
-    let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
-    let stale = claim_one::<D>(&q).await;
-    let fresh = claim_one::<D>(&q).await; // waits for the lease to run out
-    assert_eq!(fresh.id(), id);
-    assert_eq!(fresh.attempt(), 2);
-    let before = q.row_state(id).await.unwrap().unwrap();
-    let err = stale.ack().await.unwrap_err();
-    assert!(
-        matches!(err, SqlxBrokerError::LeaseLost { id: lost, .. } if lost == id),
-        "{err:?}"
-    );
-    assert!(err.to_string().contains(fx.table.name()));
-    assert_eq!(
-        q.row_state(id).await.unwrap().unwrap(),
-        before,
-        "nothing changed"
-    );
-    assert_eq!(q.metrics().lease_lost, 1);
-    fresh.ack().await.unwrap();
-    assert!(q.row_state(id).await.unwrap().is_none());
-    fx.cleanup().await;
-}
-
 /// Renewal every half lease keeps a handler that runs three leases long: nobody else claims the
 /// row meanwhile, and its ack lands.
 pub async fn renewal_keeps_a_handler_that_runs_three_leases<D: TestDb>() {
-    let Some(mut fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await;
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let id = fx.publish(&q, 1).await[0];
@@ -225,9 +179,7 @@ pub async fn renewal_keeps_a_handler_that_runs_three_leases<D: TestDb>() {
 /// A lease claim for a batch larger than the free slots holds the surplus for later: those rows
 /// wait for the one slot longer than their lease, and renewal keeps them from other claims.
 pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
-    let Some(mut fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await;
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let ids = fx.publish(&q, 3).await;
@@ -271,9 +223,7 @@ pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
 /// In row lock mode the handler writes through the delivery's transaction: the writes commit
 /// with the ack and roll back with a retry.
 pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
     let q = fx.queue().await;
     let side = broker_core::TableDescription::builder(unique_name("side"))
         .payload("payload", ColumnType::Text)
