@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::strategy::alias;
 use broker_core::{
@@ -156,43 +156,44 @@ pub fn describe(name: &str, mode: ClaimMode) -> TableBuilder {
     }
 }
 
-/// Waits until `check` holds, polling every 20 ms; panics naming `what` after `limit`.
+/// How many 20 ms polls a bounded wait of `limit` makes. Waits count polls instead of reading a
+/// clock, so no case compares an elapsed time; a slow machine only waits longer.
+fn polls(limit: Duration) -> u128 {
+    (limit.as_millis() / POLL.as_millis()).max(1)
+}
+
+const POLL: Duration = Duration::from_millis(20);
+
+/// Waits until `check` holds, polling every 20 ms; panics naming `what` after about `limit`
+/// (counted in polls).
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let start = Instant::now();
-    loop {
+    for _ in 0..polls(limit) {
         if check().await {
             return;
         }
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(POLL).await;
     }
+    assert!(check().await, "gave up after {limit:?} waiting for {what}");
 }
 
 /// Claims one delivery from `queue`, polling every 20 ms until one comes; panics naming `what`
-/// after `limit`.
+/// after about `limit` (counted in polls).
 pub async fn claim_within<B, T>(queue: &Queue<B, T>, limit: Duration, what: &str) -> Delivery<B, T>
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let start = Instant::now();
-    loop {
+    for _ in 0..polls(limit) {
         if let Some(d) = queue.claim(1).await.expect("claim").pop() {
             return d;
         }
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(POLL).await;
     }
+    panic!("gave up after {limit:?} waiting for {what}");
 }
 
 /// Claims one delivery, waiting up to 10 s until one is due.

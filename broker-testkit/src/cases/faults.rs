@@ -186,7 +186,7 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode) {
     // Done when every row has finished by the handlers' account, or (for the few that have
     // not) by the database's: a kill can spend a row's last attempts on claims no handler saw,
     // and the row is then dead-lettered at its next claim without a delivery.
-    let waiting = Instant::now();
+    let mut polls = 0;
     loop {
         let unfinished = history.unfinished_rows(&ids, max_attempts);
         if unfinished.len() <= 50 {
@@ -201,7 +201,8 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode) {
                 break;
             }
         }
-        if waiting.elapsed() > limit {
+        polls += 1;
+        if polls > limit.as_millis() / 50 {
             let mut stuck = String::new();
             for id in unfinished.into_iter().take(20) {
                 let state = queue.row_state(id).await.unwrap();
@@ -394,8 +395,15 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
         "the worker started four handlers: {started:?}"
     );
     assert!(started.iter().all(|(_, attempt)| *attempt == 1));
+    // The leases the killed worker holds, as the rows hold them.
+    let mut expiries = BTreeMap::new();
+    for id in &ids {
+        let state = q.row_state(*id).await.unwrap().expect("the row is queued");
+        expiries.insert(*id, state.locked_until_ms);
+    }
     child.kill().expect("SIGKILL the worker");
     let _ = child.wait();
+    // Measured for the report only; the checks below compare states, not durations.
     let killed_at = Instant::now();
 
     if mode == ClaimMode::Lease {
@@ -405,26 +413,31 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
         );
     }
     let mut back = Vec::new();
+    let mut polls = 0;
     while back.len() < 4 {
+        polls += 1;
         assert!(
-            killed_at.elapsed() < Duration::from_secs(15),
+            polls < 750,
             "the killed worker's rows came back: {} of 4",
             back.len()
         );
-        back.extend(q.claim(4).await.unwrap());
+        let got = q.claim(4).await.unwrap();
+        let claimed_by = broker_core::clock::now_ms();
+        for d in &got {
+            match (mode, expiries[&d.id()]) {
+                (ClaimMode::Lease, Some(expiry)) => assert!(
+                    claimed_by >= expiry,
+                    "row {} came back before its lease ran out ({claimed_by} < {expiry})",
+                    d.id()
+                ),
+                (ClaimMode::Lease, None) => panic!("row {} was not leased by the worker", d.id()),
+                (_, expiry) => assert_eq!(expiry, None, "no lease in {mode} mode"),
+            }
+        }
+        back.extend(got);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let waited = killed_at.elapsed();
-    match mode {
-        ClaimMode::Lease => assert!(
-            waited >= Duration::from_millis(500),
-            "a lease holds until it runs out ({waited:?})"
-        ),
-        _ => assert!(
-            waited < Duration::from_secs(5),
-            "rows come back at once, not after {waited:?}"
-        ),
-    }
     let expected = if mode == ClaimMode::RowLock { 1 } else { 2 };
     let mut seen: Vec<i64> = back.iter().map(|d| d.id()).collect();
     seen.sort_unstable();
