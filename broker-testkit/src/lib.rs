@@ -16,6 +16,7 @@
 pub mod cases;
 pub(crate) mod fixture;
 pub mod history;
+pub(crate) mod settlements;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, claim_one, claim_within, describe, report,
@@ -95,7 +96,6 @@ macro_rules! conformance_suite {
                 a_handler_panic_is_a_retry,
                 a_handler_error_is_a_retry,
                 a_row_that_does_not_decode_is_retried_not_lost,
-                stress_with_random_outcomes_and_kills,
                 identifiers_and_values_that_look_like_sql_round_trip,
                 a_table_with_only_the_required_columns_works,
             );
@@ -104,6 +104,14 @@ macro_rules! conformance_suite {
                 $crate::cases::a_killed_worker_gives_its_rows_back::<$db>(
                     $crate::__private::mode(stringify!($mode)),
                     concat!(module_path!(), "::a_killed_worker_gives_its_rows_back"),
+                )
+                .await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn stress_with_random_outcomes_and_kills() {
+                $crate::cases::stress_with_random_outcomes_and_kills::<$db>(
+                    $crate::__private::mode(stringify!($mode)),
+                    concat!(module_path!(), "::stress_with_random_outcomes_and_kills"),
                 )
                 .await;
             }

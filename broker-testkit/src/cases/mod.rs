@@ -11,6 +11,7 @@ mod fencing;
 mod fifo;
 mod lifecycle;
 mod settle;
+mod stress;
 
 pub use attempts::*;
 pub use bad_input::*;
@@ -21,6 +22,7 @@ pub use fencing::*;
 pub use fifo::*;
 pub use lifecycle::*;
 pub use settle::*;
+pub use stress::*;
 
 use broker_core::{Delivery, Queue};
 
