@@ -595,10 +595,8 @@ fn check_pair(
     let retried = a.outcome.is_some_and(|o| !o.finishes());
     let ok = match mode {
         // The transaction died: rolled back, the attempt unused; or, when the handler had
-        // returned a retry and its commit got through first, counted once.
-        ClaimMode::RowLock => {
-            b.attempt == a.attempt || (cut.settling() && retried && b.attempt == a.attempt + 1)
-        }
+        // returned a retry and its commit got through before its connection died, counted once.
+        ClaimMode::RowLock => b.attempt == a.attempt || (retried && b.attempt == a.attempt + 1),
         // The claim counted one attempt; unseen claims may count more.
         _ => {
             b.attempt == a.attempt + 1

@@ -206,18 +206,34 @@ async fn live_ids(admin: &mut MySqlConnection, pool: &MySqlPool) -> Vec<u64> {
 /// many.
 pub(crate) async fn kill_connections(broker: &MySqlBroker) -> usize {
     let mut admin = admin().await;
-    let mut killed = 0;
+    let mut killed = Vec::new();
     for id in live_ids(&mut admin, broker.pool()).await {
         if admin
             .execute(AssertSqlSafe(format!("KILL CONNECTION {id}")))
             .await
             .is_ok()
         {
-            killed += 1;
+            killed.push(id);
         }
     }
+    // KILL only flags the session; it ends when its thread next looks. Wait (up to 5 s) until
+    // the killed sessions are gone, so the kill is over when this returns, as PostgreSQL's
+    // pg_terminate_backend(pid, timeout) does: a fault injector then knows when it struck.
+    for _ in 0..250 {
+        let live: HashSet<u64> =
+            sqlx::query_scalar("SELECT CAST(ID AS UNSIGNED) FROM information_schema.PROCESSLIST")
+                .fetch_all(&mut admin)
+                .await
+                .expect("read the process list")
+                .into_iter()
+                .collect();
+        if killed.iter().all(|id| !live.contains(id)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let _ = admin.close().await;
-    killed
+    killed.len()
 }
 
 /// Open transactions of the broker's connections.
