@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::{
     ClaimMode, ColumnType, Outcome, SqlxBrokerError, SubscribeOptions, TableDescription,
@@ -57,15 +57,14 @@ mod case {
     /// transaction; connections go back to the pool in tasks of their own.
     async fn assert_nothing_held(broker: &broker_postgres::PgBroker, when: &str) {
         let app = app_name(broker);
-        let start = Instant::now();
-        loop {
+        for poll in 0.. {
             let locks = common::advisory_locks_of(&app).await;
             let open = common::open_transactions_of(&app).await;
             if locks == 0 && open == 0 {
                 return;
             }
             assert!(
-                start.elapsed() < Duration::from_secs(5),
+                poll < 250,
                 "{when}: {locks} advisory locks held and {open} sessions idle in transaction"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -154,13 +153,8 @@ mod case {
             .await
             .unwrap();
         assert!(killed);
-        let start = Instant::now();
+        // Due again at once: no lease or due time holds the rolled-back row.
         let again = claim_one(&other).await;
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "back after {:?}",
-            start.elapsed()
-        );
         assert_eq!(again.id(), id);
         assert_eq!(again.attempt(), 1, "the rollback used no attempt");
         assert!(d.ack().await.is_err(), "the dead transaction cannot settle");
@@ -222,12 +216,11 @@ mod case {
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
         let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
             |_job| Box::pin(async move { Ok(Outcome::Ack) }),
         );
         // Let the subscription find the table empty and go idle.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let start = Instant::now();
         elsewhere.publish(fx.job(0)).await.unwrap();
         wait_until(
             "the woken subscription's ack",
@@ -238,33 +231,26 @@ mod case {
             },
         )
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
 
         // A publish inside a transaction wakes others when it commits, not before.
         let mut tx = other.pool().begin().await.unwrap();
         elsewhere.publish_in(&mut *tx, &[fx.job(1)]).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // A claim from a third session finds nothing: the row is not visible before the commit.
+        assert!(
+            elsewhere.claim(1).await.unwrap().is_empty(),
+            "nothing is visible before the commit"
+        );
         assert_eq!(
             q.metrics().claimed,
             1,
-            "nothing is visible before the commit"
+            "nothing was claimed before the commit"
         );
-        let start = Instant::now();
         tx.commit().await.unwrap();
         wait_until("the ack after the commit", Duration::from_secs(10), || {
             let q = q.clone();
             async move { q.metrics().acked == 2 }
         })
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
         sub.shutdown().await;
         other.close().await;
         fx.cleanup().await;
@@ -471,14 +457,13 @@ mod case {
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
         let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
             |_job| Box::pin(async move { Ok(Outcome::Ack) }),
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
         // Kill every session of the subscription's pool, the listener's among them.
         assert!(common::kill_connections(&fx.broker).await >= 1);
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let start = Instant::now();
         elsewhere.publish(fx.job(0)).await.unwrap();
         wait_until(
             "the ack after the listener reconnected",
@@ -489,11 +474,6 @@ mod case {
             },
         )
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
         sub.shutdown().await;
         other.close().await;
         fx.cleanup().await;

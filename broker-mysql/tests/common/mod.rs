@@ -15,7 +15,7 @@
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::Broker;
 use broker_mysql::{MySqlBackend, MySqlBroker};
@@ -256,9 +256,10 @@ pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
 /// the pool.
 pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
     let pool = broker.pool();
-    let start = Instant::now();
+    let mut polls = 0;
     let mut out;
     loop {
+        polls += 1;
         out = Vec::new();
         if !pool.is_closed() {
             let in_use = (pool.size() as usize).saturating_sub(pool.num_idle());
@@ -270,7 +271,7 @@ pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
         if open > 0 {
             out.push(format!("{open} open transactions"));
         }
-        if out.is_empty() || start.elapsed() > Duration::from_secs(5) {
+        if out.is_empty() || polls > 100 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
