@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::{
     ClaimMode, ColumnType, Outcome, SqlxBrokerError, SubscribeOptions, TableDescription,
@@ -57,15 +57,14 @@ mod case {
     /// transaction; connections go back to the pool in tasks of their own.
     async fn assert_nothing_held(broker: &broker_postgres::PgBroker, when: &str) {
         let app = app_name(broker);
-        let start = Instant::now();
-        loop {
+        for poll in 0.. {
             let locks = common::advisory_locks_of(&app).await;
             let open = common::open_transactions_of(&app).await;
             if locks == 0 && open == 0 {
                 return;
             }
             assert!(
-                start.elapsed() < Duration::from_secs(5),
+                poll < 250,
                 "{when}: {locks} advisory locks held and {open} sessions idle in transaction"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -73,9 +72,7 @@ mod case {
     }
 
     async fn fixture(mode: ClaimMode) -> Fx {
-        Fixture::<Pg>::new(mode, |b| b)
-            .await
-            .expect("PostgreSQL offers every mode")
+        Fixture::<Pg>::new(mode, |b| b).await
     }
 
     async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
@@ -122,9 +119,7 @@ mod case {
 
     pub(super) async fn row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction()
      {
-        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
-            .await
-            .unwrap();
+        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
         settlement_and_shutdown_leave_nothing_held(fx).await;
     }
 
@@ -158,13 +153,8 @@ mod case {
             .await
             .unwrap();
         assert!(killed);
-        let start = Instant::now();
+        // Due again at once: no lease or due time holds the rolled-back row.
         let again = claim_one(&other).await;
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "back after {:?}",
-            start.elapsed()
-        );
         assert_eq!(again.id(), id);
         assert_eq!(again.attempt(), 1, "the rollback used no attempt");
         assert!(d.ack().await.is_err(), "the dead transaction cannot settle");
@@ -226,12 +216,11 @@ mod case {
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
         let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
             |_job| Box::pin(async move { Ok(Outcome::Ack) }),
         );
         // Let the subscription find the table empty and go idle.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let start = Instant::now();
         elsewhere.publish(fx.job(0)).await.unwrap();
         wait_until(
             "the woken subscription's ack",
@@ -242,42 +231,33 @@ mod case {
             },
         )
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
 
         // A publish inside a transaction wakes others when it commits, not before.
         let mut tx = other.pool().begin().await.unwrap();
         elsewhere.publish_in(&mut *tx, &[fx.job(1)]).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // A claim from a third session finds nothing: the row is not visible before the commit.
+        assert!(
+            elsewhere.claim(1).await.unwrap().is_empty(),
+            "nothing is visible before the commit"
+        );
         assert_eq!(
             q.metrics().claimed,
             1,
-            "nothing is visible before the commit"
+            "nothing was claimed before the commit"
         );
-        let start = Instant::now();
         tx.commit().await.unwrap();
         wait_until("the ack after the commit", Duration::from_secs(10), || {
             let q = q.clone();
             async move { q.metrics().acked == 2 }
         })
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
         sub.shutdown().await;
         other.close().await;
         fx.cleanup().await;
     }
 
     pub(super) async fn a_fifo_head_in_an_open_transaction_keeps_its_group_from_every_broker() {
-        let mut fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true))
-            .await
-            .unwrap();
+        let mut fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
         let q = fx.queue().await;
         let other = fx.other_queue().await;
         let jobs = vec![
@@ -410,8 +390,7 @@ mod case {
                 .column("raw", ColumnType::Bytes)
                 .priority("prio")
         })
-        .await
-        .unwrap();
+        .await;
         let q = fx.queue().await;
         let ids = q
             .publish_batch(&[
@@ -478,14 +457,13 @@ mod case {
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
         let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
             |_job| Box::pin(async move { Ok(Outcome::Ack) }),
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
         // Kill every session of the subscription's pool, the listener's among them.
         assert!(common::kill_connections(&fx.broker).await >= 1);
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let start = Instant::now();
         elsewhere.publish(fx.job(0)).await.unwrap();
         wait_until(
             "the ack after the listener reconnected",
@@ -496,11 +474,6 @@ mod case {
             },
         )
         .await;
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "woken after {:?}",
-            start.elapsed()
-        );
         sub.shutdown().await;
         other.close().await;
         fx.cleanup().await;
@@ -513,8 +486,7 @@ mod case {
                 b.max_attempts(1)
                     .dead_letter(broker_core::DeadLetter::Table(dead))
             })
-            .await
-            .unwrap();
+            .await;
             let q = fx.queue().await;
             fx.publish(&q, 1).await;
             // Every statement of the mode runs once, so the pool's connections cache them.

@@ -32,6 +32,14 @@ impl broker_testkit::TestDb for Sqlite {
         None
     }
 
+    async fn execute(broker: &SqliteBroker, sql: &str) -> u64 {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(broker.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
+    }
+
     async fn leaks(broker: &SqliteBroker) -> Vec<String> {
         // SQLite has no server sessions: what can leak is a key left in the process's key
         // table, or a pool connection never given back.
@@ -67,4 +75,4 @@ impl broker_testkit::TestDb for Sqlite {
     }
 }
 
-broker_testkit::conformance_suite!(Sqlite);
+broker_testkit::conformance_suite!(Sqlite; modes: [lease, advisory]; server_connections: no);

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::strategy::alias;
 use broker_core::{
@@ -99,6 +99,22 @@ pub trait TestDb: Send + Sync + 'static {
         async { false }
     }
 
+    /// Runs one statement of the backend's dialect on `broker`'s pool (cases use it to change a
+    /// row behind the broker's back); returns the rows it changed.
+    fn execute(broker: &Broker<Self::B>, sql: &str) -> impl Future<Output = u64> + Send;
+
+    /// Whether the backend offers `mode` (asked of a broker of its own).
+    fn offers(mode: ClaimMode) -> impl Future<Output = bool> + Send {
+        async move {
+            let url = Self::database().await;
+            let broker = Self::connect(&url).await;
+            let offered = broker.backend().capabilities().offers(mode);
+            broker.close().await;
+            Self::drop_database(&url).await;
+            offered
+        }
+    }
+
     /// Removes what [`database`](Self::database) made, if anything.
     fn drop_database(url: &str) -> impl Future<Output = ()> + Send {
         let _ = url;
@@ -151,43 +167,44 @@ pub fn describe(name: &str, mode: ClaimMode) -> TableBuilder {
     }
 }
 
-/// Waits until `check` holds, polling every 20 ms; panics naming `what` after `limit`.
+/// How many 20 ms polls a bounded wait of `limit` makes. Waits count polls instead of reading a
+/// clock, so no case compares an elapsed time; a slow machine only waits longer.
+fn polls(limit: Duration) -> u128 {
+    (limit.as_millis() / POLL.as_millis()).max(1)
+}
+
+const POLL: Duration = Duration::from_millis(20);
+
+/// Waits until `check` holds, polling every 20 ms; panics naming `what` after about `limit`
+/// (counted in polls).
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let start = Instant::now();
-    loop {
+    for _ in 0..polls(limit) {
         if check().await {
             return;
         }
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(POLL).await;
     }
+    assert!(check().await, "gave up after {limit:?} waiting for {what}");
 }
 
 /// Claims one delivery from `queue`, polling every 20 ms until one comes; panics naming `what`
-/// after `limit`.
+/// after about `limit` (counted in polls).
 pub async fn claim_within<B, T>(queue: &Queue<B, T>, limit: Duration, what: &str) -> Delivery<B, T>
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let start = Instant::now();
-    loop {
+    for _ in 0..polls(limit) {
         if let Some(d) = queue.claim(1).await.expect("claim").pop() {
             return d;
         }
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(POLL).await;
     }
+    panic!("gave up after {limit:?} waiting for {what}");
 }
 
 /// Claims one delivery, waiting up to 10 s until one is due.
@@ -197,6 +214,33 @@ where
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
     claim_within(queue, Duration::from_secs(10), "a claimable row").await
+}
+
+/// Checks that a backend that does not offer `mode` refuses a queue of that mode with
+/// [`SqlxBrokerError::ModeNotOffered`], saying what to add.
+pub(crate) async fn assert_refused<D: TestDb>(mode: ClaimMode) {
+    let url = D::database().await;
+    let broker = D::connect(&url).await;
+    let table = describe(&unique_name("refused"), mode)
+        .build()
+        .expect("the case's description is valid");
+    broker
+        .create_tables(&table)
+        .await
+        .expect("create the refused table");
+    let err = broker.queue::<D::Job>(table.clone()).await.unwrap_err();
+    assert!(
+        matches!(err, SqlxBrokerError::ModeNotOffered { .. }),
+        "an unoffered mode must be refused as such, got: {err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("locked_until") && msg.contains("advisory_lock"),
+        "{msg}"
+    );
+    let _ = broker.drop_tables(&table).await;
+    broker.close().await;
+    D::drop_database(&url).await;
 }
 
 /// One case's database, broker and table.
@@ -211,52 +255,48 @@ pub struct Fixture<D: TestDb> {
 }
 
 impl<D: TestDb> Fixture<D> {
-    /// Creates the table `describe`d for `mode` (after `tweak`) and returns the fixture, or
-    /// `None` when the backend does not offer `mode`, after checking that the queue is refused
-    /// with [`SqlxBrokerError::ModeNotOffered`].
-    pub async fn new(
-        mode: ClaimMode,
-        tweak: impl FnOnce(TableBuilder) -> TableBuilder,
-    ) -> Option<Self> {
+    /// Creates the table `describe`d for `mode` (after `tweak`) and returns the fixture.
+    ///
+    /// # Panics
+    /// When the backend does not offer `mode`: [`conformance_suite!`](crate::conformance_suite)
+    /// stamps a mode's cases only for backends that offer it.
+    pub async fn new(mode: ClaimMode, tweak: impl FnOnce(TableBuilder) -> TableBuilder) -> Self {
+        Self::build(mode, |name| tweak(describe(name, mode))).await
+    }
+
+    /// Creates the table `describe` builds for a fresh name and returns the fixture; for cases
+    /// that need a description [`describe`] does not start from (e.g. no due-time column).
+    ///
+    /// # Panics
+    /// When the backend does not offer `mode`, or the description is not of `mode`.
+    pub async fn build(mode: ClaimMode, describe: impl FnOnce(&str) -> TableBuilder) -> Self {
         let url = D::database().await;
         let broker = D::connect(&url).await;
+        let caps = broker.backend().capabilities();
+        assert!(
+            caps.offers(mode),
+            "{} does not offer {mode}: the suite must not stamp this case for it",
+            caps.database
+        );
         let name = unique_name(match mode {
             ClaimMode::RowLock => "rl",
             ClaimMode::Lease => "ls",
             ClaimMode::Advisory => "ad",
         });
-        let table = tweak(describe(&name, mode))
+        let table = describe(&name)
             .build()
             .expect("the case's description is valid");
+        assert_eq!(table.mode(), mode, "the case describes a table of its mode");
         broker
             .create_tables(&table)
             .await
             .expect("create the case's table");
-        let fx = Self {
+        Self {
             url,
             broker,
             table,
             others: Vec::new(),
-        };
-        if !fx.broker.backend().capabilities().offers(mode) {
-            let err = fx
-                .broker
-                .queue::<D::Job>(fx.table.clone())
-                .await
-                .unwrap_err();
-            assert!(
-                matches!(err, SqlxBrokerError::ModeNotOffered { .. }),
-                "an unoffered mode must be refused as such, got: {err}"
-            );
-            let msg = err.to_string();
-            assert!(
-                msg.contains("locked_until") && msg.contains("advisory_lock"),
-                "{msg}"
-            );
-            fx.cleanup().await;
-            return None;
         }
-        Some(fx)
     }
 
     /// The case's queue on its first broker.

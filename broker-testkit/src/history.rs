@@ -1,10 +1,20 @@
 //! The history checker: every delivery's start, end and outcome, recorded as handlers see them,
 //! and checked after a run against SPEC section 10.
+//!
+//! Faults are recorded as they happened, by the code that caused them: the fault injector tells
+//! the history which broker it killed and when ([`History::connections_killed`],
+//! [`History::process_killed`]), and the history marks exactly the deliveries that broker had in
+//! work then (its handler running, or its settlement not yet through, as the broker's own
+//! `in_work` counter says). Every other delivery gets every check; a cut one gets the checks of
+//! what its mode promises after that fault.
+//!
+//! Times are wall-clock offsets from the history's start, so deliveries reported by child
+//! processes (as unix microseconds) line up with the parent's.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use broker_core::ClaimMode;
 
@@ -29,6 +39,57 @@ impl Recorded {
     fn finishes(self) -> bool {
         matches!(self, Self::Ack | Self::DeadLetter)
     }
+
+    /// The name a child process reports it by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ack => "ack",
+            Self::Retry => "retry",
+            Self::RetryAfter => "retry_after",
+            Self::Error => "error",
+            Self::Panic => "panic",
+            Self::DeadLetter => "dead_letter",
+        }
+    }
+
+    /// The outcome a child process reported by [`name`](Self::name).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [
+            Self::Ack,
+            Self::Retry,
+            Self::RetryAfter,
+            Self::Error,
+            Self::Panic,
+            Self::DeadLetter,
+        ]
+        .into_iter()
+        .find(|r| r.name() == name)
+    }
+}
+
+/// How a fault reached a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Its broker's database connections were terminated while its handler ran.
+    ConnectionInHandler,
+    /// Its broker's connections were terminated after its handler returned, before its
+    /// settlement was through.
+    ConnectionSettling,
+    /// Its process was killed (SIGKILL) while its handler ran.
+    CrashInHandler,
+    /// Its process was killed after its handler returned, before its settlement was known to
+    /// be through.
+    CrashSettling,
+}
+
+impl Cut {
+    fn crash(self) -> bool {
+        matches!(self, Self::CrashInHandler | Self::CrashSettling)
+    }
+
+    fn settling(self) -> bool {
+        matches!(self, Self::ConnectionSettling | Self::CrashSettling)
+    }
 }
 
 /// One delivery as its handler saw it.
@@ -44,15 +105,16 @@ pub struct Record {
     pub key: Option<String>,
     /// The FIFO group.
     pub group: Option<String>,
-    /// When the handler started, from the history's start.
+    /// When the handler started.
     pub start: Duration,
-    /// When the handler ended; `None` while it runs or when its broker was killed under it.
+    /// When the handler ended; `None` while it runs. A crash ends it at the kill.
     pub end: Option<Duration>,
-    /// What it did; `None` when its broker was killed under it.
+    /// What it did; `None` when its process was killed under it.
     pub outcome: Option<Recorded>,
-    /// Its broker was killed while it ran or soon after it ended, so its settlement may never
-    /// have landed.
-    pub unsure: bool,
+    /// The lease expiry the delivery held when its handler started (lease mode).
+    pub lease_until: Option<Duration>,
+    /// The fault that reached it, if one did.
+    pub cut: Option<Cut>,
 }
 
 /// What the database holds for a row after the run.
@@ -88,64 +150,92 @@ pub struct Figures {
     pub deliveries: usize,
     /// Deliveries that ended in a retry, an error or a panic.
     pub retries: usize,
-    /// Deliveries cut short by a kill.
-    pub killed: usize,
+    /// Deliveries a fault reached (see [`Cut`]).
+    pub cut: usize,
+    /// Of those, deliveries whose process was killed.
+    pub crashed: usize,
+    /// Of those, deliveries whose handler was running when the fault came.
+    pub in_handler: usize,
     /// Rows acked.
     pub acked: usize,
     /// Rows dead-lettered.
     pub dead: usize,
 }
 
-/// A shared, append-only record of deliveries.
+/// The deliveries one fault reached.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Marked {
+    /// Handlers running during the fault.
+    pub in_handler: usize,
+    /// Handlers that had returned, whose settlement may still have been on the wire.
+    pub settling: usize,
+}
+
+impl std::fmt::Display for Marked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} cut in the handler, {} while settling",
+            self.in_handler, self.settling
+        )
+    }
+}
+
+/// One fault: which broker, between which moments.
+#[derive(Debug, Clone, Copy)]
+struct Fault {
+    from: Duration,
+    to: Duration,
+}
+
+/// A shared, append-only record of deliveries and faults.
 #[derive(Debug)]
 pub struct History {
-    epoch: Instant,
+    table: String,
+    epoch: SystemTime,
     records: Mutex<Vec<Record>>,
-    connection_kills: Mutex<Vec<Duration>>,
-    broker_kills: Mutex<Vec<(Duration, Duration)>>,
+    faults: Mutex<Vec<Fault>>,
 }
 
-impl Default for History {
-    fn default() -> Self {
-        Self {
-            epoch: Instant::now(),
-            records: Mutex::new(Vec::new()),
-            connection_kills: Mutex::new(Vec::new()),
-            broker_kills: Mutex::new(Vec::new()),
-        }
-    }
+/// Unix microseconds now: how child processes stamp what they report.
+pub fn unix_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
-
-/// How long after a handler's end its settlement may still be on the wire: a connection killed
-/// within this window may have taken the settlement with it.
-const SETTLE_WINDOW: Duration = Duration::from_secs(2);
 
 impl History {
-    /// Now, on the history's clock (for [`kill`](Self::kill)).
+    /// A history of deliveries from the queue table `table`; starts keeping the settlements the
+    /// engine reports (see [`crate::settlements`]), so faults can tell which were through.
+    pub fn new(table: &str) -> Self {
+        crate::settlements::install(false);
+        Self {
+            table: table.to_owned(),
+            epoch: SystemTime::now(),
+            records: Mutex::new(Vec::new()),
+            faults: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Now, on the history's clock.
     pub fn now(&self) -> Duration {
-        self.epoch.elapsed()
+        SystemTime::now()
+            .duration_since(self.epoch)
+            .unwrap_or_default()
     }
 
-    /// Notes that database connections are being killed now: a delivery in work (or settling)
-    /// across this moment may lose its claim or its settlement, so the checker treats it as cut
-    /// short — its row may be delivered again, at the same attempt or the next.
-    pub fn connections_killed(&self) {
-        let now = self.epoch.elapsed();
-        self.connection_kills
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(now);
+    /// A unix time in microseconds on the history's clock.
+    pub fn at_unix_micros(&self, micros: i64) -> Duration {
+        let at = UNIX_EPOCH + Duration::from_micros(micros.max(0).cast_unsigned());
+        at.duration_since(self.epoch).unwrap_or_default()
     }
 
-    fn cut(&self, r: &Record, kills: &[Duration]) -> bool {
-        r.outcome.is_none()
-            || r.unsure
-            || kills
-                .iter()
-                .any(|k| *k >= r.start && r.end.is_none_or(|end| *k <= end + SETTLE_WINDOW))
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Record>> {
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records a handler's start; returns the record's index for [`finish`](Self::finish).
+    /// Records a handler's start now; returns the record's index for [`finish`](Self::finish).
+    /// `lease_expires_ms`: the delivery's lease expiry (unix ms), in lease mode.
     pub fn start(
         &self,
         broker: usize,
@@ -153,112 +243,151 @@ impl History {
         attempt: i64,
         key: Option<String>,
         group: Option<String>,
+        lease_expires_ms: Option<i64>,
     ) -> usize {
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        self.start_at(
+            self.now(),
+            broker,
+            id,
+            attempt,
+            key,
+            group,
+            lease_expires_ms,
+        )
+    }
+
+    /// Records a handler's start at `at` (a child's report).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_at(
+        &self,
+        at: Duration,
+        broker: usize,
+        id: i64,
+        attempt: i64,
+        key: Option<String>,
+        group: Option<String>,
+        lease_expires_ms: Option<i64>,
+    ) -> usize {
+        let lease_until = lease_expires_ms.map(|ms| self.at_unix_micros(ms.saturating_mul(1000)));
+        let mut records = self.lock();
         records.push(Record {
             broker,
             id,
             attempt,
             key,
             group,
-            start: self.epoch.elapsed(),
+            start: at,
             end: None,
             outcome: None,
-            unsure: false,
+            lease_until,
+            cut: None,
         });
         records.len() - 1
     }
 
-    /// Records a handler's end and outcome.
+    /// Records a handler's end and outcome now.
     pub fn finish(&self, index: usize, outcome: Recorded) {
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        self.finish_at(index, outcome, self.now());
+    }
+
+    /// Records a handler's end and outcome at `at` (a child's report).
+    pub fn finish_at(&self, index: usize, outcome: Recorded, at: Duration) {
+        let mut records = self.lock();
         let r = &mut records[index];
-        r.end = Some(self.epoch.elapsed());
+        r.end = Some(at);
         r.outcome = Some(outcome);
     }
 
-    /// Marks every unfinished delivery of `broker` as cut short at `at` (taken with
-    /// [`now`](Self::now) just before the broker was killed: its rows can be claimed again only
-    /// after that).
-    ///
-    /// Deliveries that ended shortly before may not have settled (the kill can cut the settlement
-    /// after the handler returned), and rows it had claimed but not started count an attempt
-    /// nobody saw; the checker allows for both.
-    ///
-    /// Call it once the kill is over: until then the dying broker may still claim, so the kill
-    /// spans from `at` to now.
-    pub fn kill(&self, broker: usize, at: Duration) {
-        let over = self.epoch.elapsed();
-        self.broker_kills
+    /// The fault injector terminated `broker`'s database connections between `from` and `to`
+    /// (both from [`now`](Self::now)). Marks the deliveries the kill reached: every handler of
+    /// `broker` that ran at some moment between `from` and `to`, and every delivery of `broker`
+    /// whose handler had returned by `from` but whose settlement the engine had not reported
+    /// through by then. Returns what it marked.
+    pub fn connections_killed(&self, broker: usize, from: Duration, to: Duration) -> Marked {
+        self.mark(broker, from, to, false)
+    }
+
+    /// The fault injector killed `broker`'s process (SIGKILL) between `from` and `to`, and every
+    /// report the process made has been recorded. Marks its handlers that had not returned by
+    /// `to` (their end becomes `to`), and its deliveries whose handler had returned but whose
+    /// settlement it never reported through. Returns what it marked.
+    pub fn process_killed(&self, broker: usize, from: Duration, to: Duration) -> Marked {
+        self.mark(broker, from, to, true)
+    }
+
+    fn mark(&self, broker: usize, from: Duration, to: Duration, crash: bool) -> Marked {
+        self.faults
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((at, over));
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        for r in records.iter_mut().filter(|r| r.broker == broker) {
-            match r.end {
-                None => {
-                    r.end = Some(at.max(r.start));
-                    r.unsure = true;
+            .push(Fault { from, to });
+        // A crash stops everything at once; a connection kill only what was on the wire before
+        // it began.
+        let settled_by = if crash { to } else { from };
+        let mut records = self.lock();
+        let mut marked = Marked::default();
+        let (in_handler, settling) = if crash {
+            (Cut::CrashInHandler, Cut::CrashSettling)
+        } else {
+            (Cut::ConnectionInHandler, Cut::ConnectionSettling)
+        };
+        for r in records
+            .iter_mut()
+            .filter(|r| r.broker == broker && r.cut.is_none())
+        {
+            if r.start > to {
+                continue;
+            }
+            let running = match r.end {
+                None => true,
+                // A handler that ran while connections were being killed may have lost its
+                // claim's connection; a crash cuts only what had not returned when it was over.
+                Some(end) if !crash => end >= from,
+                Some(_) => false,
+            };
+            if running {
+                r.cut = Some(in_handler);
+                marked.in_handler += 1;
+                if crash {
+                    r.end = Some(to);
                 }
-                Some(end) if end + SETTLE_WINDOW >= at => r.unsure = true,
-                Some(_) => {}
+                continue;
+            }
+            let through = crate::settlements::settled(&self.table, r.id, r.attempt)
+                .into_iter()
+                .map(|micros| self.at_unix_micros(micros))
+                .any(|at| at >= r.start && at <= settled_by);
+            if !through {
+                r.cut = Some(settling);
+                marked.settling += 1;
             }
         }
+        marked
     }
 
     /// Published rows (`ids`) that have not reached a final outcome by the handlers' account.
     pub fn unfinished_rows(&self, ids: &[i64], max_attempts: Option<u32>) -> Vec<i64> {
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last: HashMap<i64, &Record> = HashMap::new();
-        for r in records.iter() {
-            let e = last.entry(r.id).or_insert(r);
-            if r.start >= e.start {
-                *e = r;
-            }
-        }
+        let records = self.lock();
+        let last = last_per_row(&records);
         ids.iter()
             .copied()
             .filter(|id| {
                 last.get(id)
-                    .is_none_or(|r| final_of(r, max_attempts).is_none())
+                    .is_none_or(|r| r.cut.is_some() || final_of(r, max_attempts).is_none())
             })
             .collect()
     }
 
-    /// Rows whose latest delivery ended unsure (its broker was killed around it): the database,
-    /// not the history, says whether they finished.
-    pub fn unsure_rows(&self) -> Vec<i64> {
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last: HashMap<i64, &Record> = HashMap::new();
-        for r in records.iter() {
-            let e = last.entry(r.id).or_insert(r);
-            if r.start >= e.start {
-                *e = r;
-            }
-        }
-        last.values().filter(|r| r.unsure).map(|r| r.id).collect()
-    }
-
     /// A copy of the records so far.
     pub fn records(&self) -> Vec<Record> {
-        self.records
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.lock().clone()
     }
 
     /// How many rows have reached a final outcome (acked or dead-lettered) so far, by the
     /// handlers' account.
     pub fn finished_rows(&self, max_attempts: Option<u32>) -> usize {
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last: HashMap<i64, &Record> = HashMap::new();
-        for r in records.iter() {
-            let e = last.entry(r.id).or_insert(r);
-            if r.start >= e.start {
-                *e = r;
-            }
-        }
-        last.values()
+        let records = self.lock();
+        last_per_row(&records)
+            .values()
             .filter(|r| final_of(r, max_attempts).is_some())
             .count()
     }
@@ -266,31 +395,27 @@ impl History {
     /// Checks the history: no row in two deliveries at once, no two deliveries of one advisory
     /// key at once, FIFO order and one-at-a-time per group, every row ending exactly as its
     /// outcomes say (none lost, none acked twice), and attempts as SPEC section 2 counts them.
-    /// A failed check names the offending records.
+    /// A delivery a fault reached gets what its mode promises after that fault instead (see
+    /// [`Cut`]): row lock rolled back with the attempt unused; lease held until it ran out;
+    /// advisory key freed with one attempt used. A failed check names the offending records.
     pub fn check(&self, expect: &Expect) -> Result<Figures, String> {
         let records = self.records();
-        let kills = self
-            .connection_kills
+        let faults = self
+            .faults
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let cut = |r: &Record| self.cut(r, &kills);
-        let broker_kills = self
-            .broker_kills
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        // A broker killed between two moments may have claimed the row unseen (claimed, never
-        // started): lease and advisory count that attempt. So may a claim whose connection was
-        // killed after its write committed but before the reply arrived: the claim fails, and
-        // the attempt it counted is used, as a crash's is.
+        let mode = expect.mode;
+        // A claim can count an attempt no handler saw when a fault lands between its write and
+        // the handler's start (a killed process's prefetched rows, a claim whose reply died
+        // with its connection). Row lock counts nothing at the claim.
         let unseen_claim = |from: Duration, to: Duration| {
-            expect.mode != ClaimMode::RowLock
-                && (broker_kills
-                    .iter()
-                    .any(|(at, over)| *at <= to && *over >= from)
-                    || kills.iter().any(|k| *k <= to && *k >= from))
+            mode != ClaimMode::RowLock && faults.iter().any(|f| f.from <= to && f.to >= from)
         };
+        // Whether a delivery may overlap the next of its row, key or group: the fault freed what
+        // held it (row lock: the transaction died; advisory: the key's session died). A lease
+        // outlives its connection and its process.
+        let may_overlap = |r: &Record| r.cut.is_some() && mode != ClaimMode::Lease;
         let mut problems = String::new();
         let mut by_id: BTreeMap<i64, Vec<&Record>> = BTreeMap::new();
         for r in &records {
@@ -308,21 +433,25 @@ impl History {
             ..Figures::default()
         };
         for r in &records {
-            match r.outcome {
-                None => figures.killed += 1,
-                Some(
-                    Recorded::Retry | Recorded::RetryAfter | Recorded::Error | Recorded::Panic,
-                ) => {
-                    figures.retries += 1;
+            if matches!(
+                r.outcome,
+                Some(Recorded::Retry | Recorded::RetryAfter | Recorded::Error | Recorded::Panic)
+            ) {
+                figures.retries += 1;
+            }
+            if let Some(c) = r.cut {
+                figures.cut += 1;
+                if c.crash() {
+                    figures.crashed += 1;
                 }
-                _ => {}
+                if !c.settling() {
+                    figures.in_handler += 1;
+                }
             }
         }
-        // One row, one delivery at a time.
         for list in by_id.values() {
-            no_overlap("row", list, &cut, &mut problems);
+            no_overlap("row", list, &may_overlap, &mut problems);
         }
-        // One key, one delivery at a time.
         let mut by_key: HashMap<&str, Vec<&Record>> = HashMap::new();
         for r in &records {
             if let Some(k) = &r.key {
@@ -331,9 +460,8 @@ impl History {
         }
         for list in by_key.values_mut() {
             list.sort_by_key(|r| r.start);
-            no_overlap("key", list, &cut, &mut problems);
+            no_overlap("key", list, &may_overlap, &mut problems);
         }
-        // FIFO: per group, in id order, one at a time, a row finished before the next starts.
         if expect.fifo {
             let mut by_group: HashMap<&str, Vec<&Record>> = HashMap::new();
             for r in &records {
@@ -343,16 +471,20 @@ impl History {
             }
             for (g, list) in &mut by_group {
                 list.sort_by_key(|r| r.start);
-                no_overlap("group", list, &cut, &mut problems);
+                no_overlap("group", list, &may_overlap, &mut problems);
                 for w in list.windows(2) {
                     let (a, b) = (w[0], w[1]);
-                    if b.id < a.id {
+                    let a_dead = expect.finals.get(&a.id) == Some(&Final::Dead);
+                    if b.id < a.id && !(a.cut.is_some() && may_overlap(a)) {
                         let _ = writeln!(
                             problems,
                             "group {g} went back from row {} to row {}:\n  {a:?}\n  {b:?}",
                             a.id, b.id
                         );
-                    } else if b.id > a.id && final_of(a, expect.max_attempts).is_none() {
+                    } else if b.id > a.id
+                        && final_of(a, expect.max_attempts).is_none()
+                        && !(a_dead && unseen_claim(a.start, b.start))
+                    {
                         let _ = writeln!(
                             problems,
                             "group {g} moved on from row {} before it finished:\n  {a:?}\n  {b:?}",
@@ -362,7 +494,6 @@ impl History {
                 }
             }
         }
-        // Outcomes and attempts, row by row.
         for (id, expected_final) in &expect.finals {
             let Some(list) = by_id.get(id) else {
                 let _ = writeln!(
@@ -379,54 +510,19 @@ impl History {
                 );
             }
             for w in list.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                if cut(a) && a.outcome.is_some() {
-                    // The claim or the settlement may have died with the connection: the next
-                    // delivery reads the same attempt (rolled back) or the next one.
-                    if b.attempt < a.attempt
-                        || (b.attempt > a.attempt + 1 && !unseen_claim(a.start, b.start))
-                    {
-                        let _ = writeln!(
-                            problems,
-                            "row {id}: attempt went from {} to {} across a killed connection:\n  {a:?}\n  {b:?}",
-                            a.attempt, b.attempt
-                        );
-                    }
-                    continue;
-                }
-                if final_of(a, expect.max_attempts).is_some() {
-                    let _ = writeln!(
-                        problems,
-                        "row {id} was delivered again after it finished:\n  {a:?}\n  {b:?}"
-                    );
-                    continue;
-                }
-                let step = match (a.outcome, expect.mode) {
-                    (None, ClaimMode::RowLock) => 0,
-                    _ => 1,
-                };
-                if b.attempt != a.attempt + step
-                    && !(b.attempt > a.attempt + step && unseen_claim(a.start, b.start))
-                {
-                    let _ = writeln!(
-                        problems,
-                        "row {id}: attempt went from {} to {} (expected +{step} in {} mode):\n  {a:?}\n  {b:?}",
-                        a.attempt, b.attempt, expect.mode
-                    );
-                }
+                check_pair(w[0], w[1], expect, &unseen_claim, &mut problems);
             }
             let last = list[list.len() - 1];
             let said = final_of(last, expect.max_attempts);
             match (said, expected_final) {
                 (Some(Final::Gone), Final::Gone) => figures.acked += 1,
                 (Some(Final::Dead), Final::Dead) => figures.dead += 1,
-                // Claims no handler saw (a broker killed after the last delivery) can spend the
-                // row's last attempts; its next claim then dead-letters it without a delivery.
-                // So can a kill that cut the last delivery's settlement (its attempt stays
-                // used): the row is then dead-lettered at its next claim, unseen.
-                (_, Final::Dead)
-                    if expect.mode != ClaimMode::RowLock
-                        && (cut(last) || unseen_claim(last.start, Duration::MAX)) =>
+                // After the last delivery, claims no handler saw (a killed process's prefetched
+                // rows) or a cut settlement can spend the row's last attempts; its next claim
+                // then dead-letters it without a delivery.
+                (None, Final::Dead) if unseen_claim(last.start, Duration::MAX) => figures.dead += 1,
+                (Some(Final::Gone), Final::Dead)
+                    if last.cut.is_some() && unseen_claim(last.start, Duration::MAX) =>
                 {
                     figures.dead += 1;
                 }
@@ -451,6 +547,82 @@ impl History {
     }
 }
 
+fn last_per_row(records: &[Record]) -> HashMap<i64, &Record> {
+    let mut last: HashMap<i64, &Record> = HashMap::new();
+    for r in records {
+        let e = last.entry(r.id).or_insert(r);
+        if r.start >= e.start {
+            *e = r;
+        }
+    }
+    last
+}
+
+/// Two consecutive deliveries `a`, `b` of one row: what may come after `a`.
+fn check_pair(
+    a: &Record,
+    b: &Record,
+    expect: &Expect,
+    unseen_claim: &dyn Fn(Duration, Duration) -> bool,
+    problems: &mut String,
+) {
+    let id = a.id;
+    let mode = expect.mode;
+    let Some(cut) = a.cut else {
+        if final_of(a, expect.max_attempts).is_some() {
+            let _ = writeln!(
+                problems,
+                "row {id} was delivered again after it finished:\n  {a:?}\n  {b:?}"
+            );
+            return;
+        }
+        let step = match (a.outcome, mode) {
+            (None, ClaimMode::RowLock) => 0,
+            _ => 1,
+        };
+        if b.attempt != a.attempt + step
+            && !(b.attempt > a.attempt + step && unseen_claim(a.start, b.start))
+        {
+            let _ = writeln!(
+                problems,
+                "row {id}: attempt went from {} to {} (expected +{step} in {mode} mode):\n  {a:?}\n  {b:?}",
+                a.attempt, b.attempt
+            );
+        }
+        return;
+    };
+    // What the mode promises after the fault.
+    let retried = a.outcome.is_some_and(|o| !o.finishes());
+    let ok = match mode {
+        // The transaction died: rolled back, the attempt unused; or, when the handler had
+        // returned a retry and its commit got through before its connection died, counted once.
+        ClaimMode::RowLock => b.attempt == a.attempt || (retried && b.attempt == a.attempt + 1),
+        // The claim counted one attempt; unseen claims may count more.
+        _ => {
+            b.attempt == a.attempt + 1
+                || (b.attempt > a.attempt + 1 && unseen_claim(a.start, b.start))
+        }
+    };
+    if !ok {
+        let _ = writeln!(
+            problems,
+            "row {id}: attempt went from {} to {} across a {cut:?} in {mode} mode:\n  {a:?}\n  {b:?}",
+            a.attempt, b.attempt
+        );
+    }
+    // A lease outlives a crashed process: nobody gets the row before it runs out.
+    if mode == ClaimMode::Lease
+        && cut == Cut::CrashInHandler
+        && let Some(until) = a.lease_until
+        && b.start < until
+    {
+        let _ = writeln!(
+            problems,
+            "row {id} was delivered again before the crashed holder's lease ran out:\n  {a:?}\n  {b:?}"
+        );
+    }
+}
+
 /// What a delivery's outcome makes of its row: acked, dead-lettered (explicitly, or a failure at
 /// or past `max_attempts`), or `None` when the row goes back to the queue.
 fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
@@ -465,19 +637,19 @@ fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
     }
 }
 
-/// Consecutive deliveries (sorted by start) must not overlap, unless the first was cut short
-/// by a killed connection: its claim ended with the connection, while its handler ran on.
+/// Consecutive deliveries (sorted by start) must not overlap, unless the fault that reached the
+/// first freed what held it (`may_overlap`).
 fn no_overlap(
     what: &str,
     sorted: &[&Record],
-    cut: &dyn Fn(&Record) -> bool,
+    may_overlap: &dyn Fn(&Record) -> bool,
     problems: &mut String,
 ) {
     for w in sorted.windows(2) {
         let (a, b) = (w[0], w[1]);
         if let Some(end) = a.end
             && b.start < end
-            && !(cut(a) && a.outcome.is_some())
+            && !may_overlap(a)
         {
             let _ = writeln!(
                 problems,
@@ -501,14 +673,22 @@ mod tests {
             start: Duration::from_millis(start),
             end: Some(Duration::from_millis(end)),
             outcome,
-            unsure: false,
+            lease_until: None,
+            cut: None,
         }
     }
 
     fn history(records: Vec<Record>) -> History {
-        let h = History::default();
+        let h = History::new(&crate::unique_name("unit"));
         *h.records.lock().unwrap() = records;
         h
+    }
+
+    /// Notes that the settlement of `attempt` of row `id` went through at `at_ms`.
+    fn settled(h: &History, id: i64, attempt: i64, at_ms: u64) {
+        let at = h.epoch + Duration::from_millis(at_ms);
+        let micros = at.duration_since(UNIX_EPOCH).unwrap().as_micros();
+        crate::settlements::note(&h.table, id, attempt, i64::try_from(micros).unwrap());
     }
 
     fn expect(mode: ClaimMode, finals: &[(i64, Final)]) -> Expect {
@@ -526,9 +706,17 @@ mod tests {
             rec(1, 1, 0, 10, Some(Recorded::Error)),
             rec(1, 2, 10, 20, Some(Recorded::Ack)),
             rec(2, 1, 20, 30, Some(Recorded::Retry)),
-            rec(2, 2, 30, 40, None),
+            Record {
+                end: None,
+                ..rec(2, 2, 30, 40, None)
+            },
             rec(2, 3, 40, 50, Some(Recorded::Panic)),
         ]);
+        for (id, attempt, at) in [(1, 1, 11), (1, 2, 21), (2, 1, 31)] {
+            settled(&h, id, attempt, at);
+        }
+        let marked = h.process_killed(0, Duration::from_millis(35), Duration::from_millis(36));
+        assert_eq!((marked.in_handler, marked.settling), (1, 0));
         let f = h
             .check(&expect(
                 ClaimMode::Lease,
@@ -536,8 +724,16 @@ mod tests {
             ))
             .unwrap();
         assert_eq!(
-            (f.rows, f.deliveries, f.retries, f.killed, f.acked, f.dead),
-            (2, 5, 3, 1, 1, 1)
+            (
+                f.rows,
+                f.deliveries,
+                f.retries,
+                f.cut,
+                f.crashed,
+                f.acked,
+                f.dead
+            ),
+            (2, 5, 3, 1, 1, 1, 1)
         );
     }
 
@@ -618,5 +814,112 @@ mod tests {
             let err = history(records).check(&expect(mode, finals)).unwrap_err();
             assert!(err.contains(needle), "expected {needle:?} in:\n{err}");
         }
+    }
+
+    fn cut(mut r: Record, cut: Cut) -> Record {
+        r.cut = Some(cut);
+        r
+    }
+
+    #[test]
+    fn a_fault_excuses_only_what_its_mode_promises() {
+        // Row 1 acked in a delivery a connection kill reached (0-10 ms), then delivered again
+        // at `attempt` from 5 ms on; `None`: the history passes.
+        let after_kill = |attempt: i64| {
+            vec![
+                cut(
+                    rec(1, 1, 0, 10, Some(Recorded::Ack)),
+                    Cut::ConnectionInHandler,
+                ),
+                rec(1, attempt, 5, 15, Some(Recorded::Ack)),
+            ]
+        };
+        // Row 1's holder crashed with a lease until 100 ms; delivered again at `start`.
+        let after_crash = |start: u64| {
+            let mut crashed = cut(rec(1, 1, 0, 10, None), Cut::CrashInHandler);
+            crashed.lease_until = Some(Duration::from_millis(100));
+            vec![crashed, rec(1, 2, start, start + 10, Some(Recorded::Ack))]
+        };
+        let gone: &[(i64, Final)] = &[(1, Final::Gone)];
+        type Case<'a> = (Vec<Record>, ClaimMode, &'a [(i64, Final)], Option<&'a str>);
+        let cases: Vec<Case> = vec![
+            // A killed connection does not free a lease: no overlap, cut or not.
+            (
+                after_kill(2),
+                ClaimMode::Lease,
+                gone,
+                Some("one row in two deliveries"),
+            ),
+            // A crashed lease holder keeps the row until its lease runs out.
+            (
+                after_crash(50),
+                ClaimMode::Lease,
+                gone,
+                Some("before the crashed holder's lease ran out"),
+            ),
+            (after_crash(100), ClaimMode::Lease, gone, None),
+            // Row lock rolls back: the attempt is not used.
+            (
+                after_kill(2),
+                ClaimMode::RowLock,
+                gone,
+                Some("across a ConnectionInHandler"),
+            ),
+            (after_kill(1), ClaimMode::RowLock, gone, None),
+            // Advisory frees the key (overlap allowed) and uses one attempt.
+            (
+                after_kill(1),
+                ClaimMode::Advisory,
+                gone,
+                Some("across a ConnectionInHandler"),
+            ),
+            (after_kill(2), ClaimMode::Advisory, gone, None),
+            // An ack nothing cut must land: dead-lettered instead is a failure.
+            (
+                vec![rec(1, 1, 0, 10, Some(Recorded::Ack))],
+                ClaimMode::Lease,
+                &[(1, Final::Dead)],
+                Some("the database says Dead"),
+            ),
+        ];
+        for (records, mode, finals, needle) in cases {
+            let result = history(records).check(&expect(mode, finals));
+            match needle {
+                Some(needle) => {
+                    let err = result.unwrap_err();
+                    assert!(err.contains(needle), "expected {needle:?} in:\n{err}");
+                }
+                None => {
+                    result.unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_connection_kill_marks_running_and_settling_deliveries_of_its_broker_only() {
+        let mut other = rec(3, 1, 0, 100, Some(Recorded::Ack));
+        other.broker = 1;
+        let h = history(vec![
+            rec(1, 1, 0, 10, Some(Recorded::Ack)),
+            rec(2, 1, 0, 19, Some(Recorded::Ack)),
+            rec(4, 1, 15, 40, Some(Recorded::Ack)),
+            other,
+        ]);
+        // At 20 one handler (row 4) runs, row 1's settlement is through, row 2's is not.
+        settled(&h, 1, 1, 12);
+        settled(&h, 2, 1, 25);
+        let marked = h.connections_killed(0, Duration::from_millis(20), Duration::from_millis(21));
+        assert_eq!((marked.in_handler, marked.settling), (1, 1));
+        let cuts: Vec<_> = h.records().iter().map(|r| (r.id, r.cut)).collect();
+        assert_eq!(
+            cuts,
+            [
+                (1, None),
+                (2, Some(Cut::ConnectionSettling)),
+                (4, Some(Cut::ConnectionInHandler)),
+                (3, None)
+            ]
+        );
     }
 }

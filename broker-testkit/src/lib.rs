@@ -16,6 +16,7 @@
 pub mod cases;
 pub(crate) mod fixture;
 pub mod history;
+pub(crate) mod settlements;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, TestDb, UNDECODABLE, claim_one, claim_within, describe, report,
@@ -23,9 +24,27 @@ pub use fixture::{
 };
 
 /// Stamps one `#[tokio::test]` per conformance case for the [`TestDb`] type `$db`.
+///
+/// The backend says what it offers, and only that is stamped, so no case returns early on a mode
+/// that does not apply:
+///
+/// ```text
+/// broker_testkit::conformance_suite!(Pg);   // every mode, server connections to kill
+/// broker_testkit::conformance_suite!(Sqlite; modes: [lease, advisory]; server_connections: no);
+/// ```
+///
+/// Each mode gets a module (`row_lock::`, `lease::`, `advisory::`) with the mode cases, the
+/// fencing cases where the mode fences settlements (lease, advisory), the row-lock-only cases in
+/// `row_lock::`, and the killed-connections case where the database has server connections.
+/// `the_suite_covers_what_the_backend_offers` fails when the list and the backend's
+/// [`Capabilities`](broker_core::Capabilities) disagree, and
+/// `an_unoffered_mode_is_refused_with_what_to_add` checks the refusal of a mode left out.
 #[macro_export]
 macro_rules! conformance_suite {
     ($db:ty) => {
+        $crate::conformance_suite!($db; modes: [row_lock, lease, advisory]; server_connections: yes);
+    };
+    ($db:ty; modes: [$($mode:ident),+ $(,)?]; server_connections: $server:ident) => {
         $crate::conformance_suite!(@plain $db;
             modes_follow_the_description,
             every_description_error_is_refused_with_a_clear_message,
@@ -34,65 +53,105 @@ macro_rules! conformance_suite {
             an_unoffered_mode_is_refused_with_what_to_add,
             renewal_keeps_a_handler_that_runs_three_leases,
             prefetched_rows_keep_their_leases_while_they_wait,
-            a_stale_lease_holder_cannot_settle,
             rows_with_one_key_never_overlap_while_other_keys_run,
             a_publish_in_a_rolled_back_transaction_leaves_no_row,
             a_settlement_after_close_is_refused,
             a_publish_wakes_an_idle_subscription,
-            row_lock_handler_writes_commit_with_the_ack_only,
             a_null_key_value_is_delivered_under_the_empty_key,
             a_text_attempt_column_is_a_schema_error_naming_it,
         );
-        $crate::conformance_suite!(@modes $db;
-            first_delivery_reads_attempt_one,
-            attempts_count_across_retries,
-            a_dropped_delivery_counts_as_its_mode_says,
-            ack_deletes_the_row,
-            ack_marks_processed_at,
-            retry_after_hides_the_row_until_due,
-            scheduled_rows_are_not_claimed_early,
-            exhausted_rows_move_to_the_dead_letter_table,
-            exhausted_rows_get_the_dead_letter_mark,
-            two_subscriptions_never_hold_one_row,
-            fifo_groups_run_in_order_one_at_a_time,
-            higher_priority_runs_first,
-            shutdown_leaves_no_row_claimed_and_no_key_held,
-            shutdown_deadline_drops_handlers_and_releases_rows,
-            a_handler_panic_is_a_retry,
-            a_handler_error_is_a_retry,
-            a_row_that_does_not_decode_is_retried_not_lost,
-            stress_with_random_outcomes_and_kills,
-            killed_connections_lose_nothing,
-            identifiers_and_values_that_look_like_sql_round_trip,
-            a_table_with_only_the_required_columns_works,
-        );
-        $crate::conformance_suite!(@named $db;
-            a_killed_worker_gives_its_rows_back,
-        );
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_suite_covers_what_the_backend_offers() {
+            $crate::cases::the_suite_covers_what_the_backend_offers::<$db>(
+                &[$($crate::__private::mode(stringify!($mode))),+],
+                stringify!($server) == "yes",
+            )
+            .await;
+        }
+        $( $crate::conformance_suite!(@mode $db; $mode; $server); )+
     };
-    (@named $db:ty; $($case:ident),* $(,)?) => {
-        mod killed {
+    (@mode $db:ty; $mode:ident; $server:ident) => {
+        mod $mode {
             #[allow(unused_imports)]
             use super::*;
-            $(
-                mod $case {
-                    #[allow(unused_imports)]
-                    use super::*;
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn row_lock() {
-                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::RowLock, concat!(module_path!(), "::row_lock")).await;
-                    }
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn lease() {
-                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::Lease, concat!(module_path!(), "::lease")).await;
-                    }
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                    async fn advisory() {
-                        $crate::cases::$case::<$db>($crate::__private::ClaimMode::Advisory, concat!(module_path!(), "::advisory")).await;
-                    }
-                }
-            )*
+            $crate::conformance_suite!(@each $db; $mode;
+                first_delivery_reads_attempt_one,
+                attempts_count_across_retries,
+                a_dropped_delivery_counts_as_its_mode_says,
+                ack_deletes_the_row,
+                ack_marks_processed_at,
+                retry_after_hides_the_row_until_due,
+                scheduled_rows_are_not_claimed_early,
+                exhausted_rows_move_to_the_dead_letter_table,
+                exhausted_rows_get_the_dead_letter_mark,
+                two_subscriptions_never_hold_one_row,
+                fifo_groups_run_in_order_one_at_a_time,
+                fifo_groups_run_side_by_side,
+                a_fifo_retry_keeps_its_group_waiting,
+                a_fifo_delayed_retry_blocks_later_rows_of_its_group,
+                a_fifo_group_moves_on_past_processed_and_dead_rows,
+                higher_priority_runs_first,
+                shutdown_leaves_no_row_claimed_and_no_key_held,
+                shutdown_deadline_drops_handlers_and_releases_rows,
+                a_handler_panic_is_a_retry,
+                a_handler_error_is_a_retry,
+                a_row_that_does_not_decode_is_retried_not_lost,
+                identifiers_and_values_that_look_like_sql_round_trip,
+                a_table_with_only_the_required_columns_works,
+            );
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_killed_worker_gives_its_rows_back() {
+                $crate::cases::a_killed_worker_gives_its_rows_back::<$db>(
+                    $crate::__private::mode(stringify!($mode)),
+                    concat!(module_path!(), "::a_killed_worker_gives_its_rows_back"),
+                )
+                .await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn stress_with_random_outcomes_and_kills() {
+                $crate::cases::stress_with_random_outcomes_and_kills::<$db>(
+                    $crate::__private::mode(stringify!($mode)),
+                    concat!(module_path!(), "::stress_with_random_outcomes_and_kills"),
+                )
+                .await;
+            }
+            $crate::conformance_suite!(@only $db; $mode);
+            $crate::conformance_suite!(@server $db; $mode; $server);
         }
+    };
+    // Cases of one mode only: row lock's transaction, the fences of lease and advisory.
+    (@only $db:ty; row_lock) => {
+        $crate::conformance_suite!(@plain $db; row_lock_handler_writes_commit_with_the_ack_only);
+    };
+    (@only $db:ty; lease) => {
+        $crate::conformance_suite!(@each $db; lease; a_stale_holder_cannot_renew);
+        $crate::conformance_suite!(@fenced $db; lease);
+    };
+    (@only $db:ty; $mode:ident) => {
+        $crate::conformance_suite!(@fenced $db; $mode);
+    };
+    (@fenced $db:ty; $mode:ident) => {
+        $crate::conformance_suite!(@each $db; $mode;
+            a_stale_holder_cannot_ack_by_delete,
+            a_stale_holder_cannot_mark_processed,
+            a_stale_holder_cannot_retry,
+            a_stale_holder_cannot_retry_without_a_due_column,
+            a_stale_holder_cannot_retry_after_a_delay,
+            a_stale_holder_cannot_move_to_the_dead_letter_table,
+            a_stale_holder_cannot_mark_dead,
+        );
+    };
+    (@server $db:ty; $mode:ident; yes) => {
+        $crate::conformance_suite!(@each $db; $mode; killed_connections_lose_nothing);
+    };
+    (@server $db:ty; $mode:ident; no) => {};
+    (@each $db:ty; $mode:ident; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                $crate::cases::$case::<$db>($crate::__private::mode(stringify!($mode))).await;
+            }
+        )*
     };
     (@plain $db:ty; $($case:ident),* $(,)?) => {
         $(
@@ -102,41 +161,19 @@ macro_rules! conformance_suite {
             }
         )*
     };
-    (@modes $db:ty; $($case:ident),* $(,)?) => {
-        mod row_lock {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::RowLock).await;
-                }
-            )*
-        }
-        mod lease {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::Lease).await;
-                }
-            )*
-        }
-        mod advisory {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    $crate::cases::$case::<$db>($crate::__private::ClaimMode::Advisory).await;
-                }
-            )*
-        }
-    };
 }
 
 #[doc(hidden)]
 pub mod __private {
     pub use broker_core::ClaimMode;
+
+    /// The mode a module of the suite is named after.
+    pub fn mode(name: &str) -> ClaimMode {
+        match name {
+            "row_lock" => ClaimMode::RowLock,
+            "lease" => ClaimMode::Lease,
+            "advisory" => ClaimMode::Advisory,
+            other => panic!("no claim mode is called {other}: use row_lock, lease or advisory"),
+        }
+    }
 }

@@ -15,7 +15,7 @@
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::Broker;
 use broker_mysql::{MySqlBackend, MySqlBroker};
@@ -206,18 +206,34 @@ async fn live_ids(admin: &mut MySqlConnection, pool: &MySqlPool) -> Vec<u64> {
 /// many.
 pub(crate) async fn kill_connections(broker: &MySqlBroker) -> usize {
     let mut admin = admin().await;
-    let mut killed = 0;
+    let mut killed = Vec::new();
     for id in live_ids(&mut admin, broker.pool()).await {
         if admin
             .execute(AssertSqlSafe(format!("KILL CONNECTION {id}")))
             .await
             .is_ok()
         {
-            killed += 1;
+            killed.push(id);
         }
     }
+    // KILL only flags the session; it ends when its thread next looks. Wait (up to 5 s) until
+    // the killed sessions are gone, so the kill is over when this returns, as PostgreSQL's
+    // pg_terminate_backend(pid, timeout) does: a fault injector then knows when it struck.
+    for _ in 0..250 {
+        let live: HashSet<u64> =
+            sqlx::query_scalar("SELECT CAST(ID AS UNSIGNED) FROM information_schema.PROCESSLIST")
+                .fetch_all(&mut admin)
+                .await
+                .expect("read the process list")
+                .into_iter()
+                .collect();
+        if killed.iter().all(|id| !live.contains(id)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let _ = admin.close().await;
-    killed
+    killed.len()
 }
 
 /// Open transactions of the broker's connections.
@@ -240,9 +256,10 @@ pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
 /// the pool.
 pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
     let pool = broker.pool();
-    let start = Instant::now();
+    let mut polls = 0;
     let mut out;
     loop {
+        polls += 1;
         out = Vec::new();
         if !pool.is_closed() {
             let in_use = (pool.size() as usize).saturating_sub(pool.num_idle());
@@ -254,7 +271,7 @@ pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
         if open > 0 {
             out.push(format!("{open} open transactions"));
         }
-        if out.is_empty() || start.elapsed() > Duration::from_secs(5) {
+        if out.is_empty() || polls > 100 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -307,6 +324,14 @@ impl broker_testkit::TestDb for MySql {
 
     async fn kill_connections(broker: &MySqlBroker) -> Option<usize> {
         Some(kill_connections(broker).await)
+    }
+
+    async fn execute(broker: &MySqlBroker, sql: &str) -> u64 {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(broker.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
     }
 
     async fn leaks(broker: &MySqlBroker) -> Vec<String> {

@@ -13,7 +13,7 @@
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use broker_core::Broker;
 use broker_postgres::{PgBackend, PgBroker};
@@ -240,8 +240,9 @@ pub(crate) async fn open_transactions_of(app: &str) -> i64 {
 /// to 3 s for the figures to settle before it reports them.
 pub(crate) async fn leaks(broker: &PgBroker) -> Vec<String> {
     let app = app_name(broker);
-    let start = Instant::now();
+    let mut polls = 0;
     loop {
+        polls += 1;
         let mut out = Vec::new();
         let locks = advisory_locks_of(&app).await;
         if locks > 0 {
@@ -260,7 +261,7 @@ pub(crate) async fn leaks(broker: &PgBroker) -> Vec<String> {
                 out.push(format!("{in_use} pool connections in use"));
             }
         }
-        if out.is_empty() || start.elapsed() > Duration::from_secs(3) {
+        if out.is_empty() || polls > 60 {
             return out;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -289,6 +290,14 @@ impl broker_testkit::TestDb for Pg {
 
     async fn kill_connections(broker: &PgBroker) -> Option<usize> {
         Some(kill_connections(broker).await)
+    }
+
+    async fn execute(broker: &PgBroker, sql: &str) -> u64 {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(broker.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
     }
 
     async fn leaks(broker: &PgBroker) -> Vec<String> {

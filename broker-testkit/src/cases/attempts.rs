@@ -10,9 +10,7 @@ use crate::{Fixture, JobText, TestDb, unique_name, wait_until};
 
 /// The first delivery reads 1 in every mode.
 pub async fn first_delivery_reads_attempt_one<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let ids = fx.publish(&q, 3).await;
     let deliveries = q.claim(3).await.unwrap();
@@ -33,9 +31,7 @@ pub async fn first_delivery_reads_attempt_one<D: TestDb>(mode: ClaimMode) {
 /// retry. Row lock counts at settlement (the column does not move at the claim); lease and
 /// advisory count at the claim.
 pub async fn attempts_count_across_retries<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     for expected in 1..=3 {
@@ -53,9 +49,7 @@ pub async fn attempts_count_across_retries<D: TestDb>(mode: ClaimMode) {
 /// A dropped delivery: row lock rolls back and uses no attempt; lease releases and advisory
 /// unlocks, each with the attempt used. The row is due again at once in every mode.
 pub async fn a_dropped_delivery_counts_as_its_mode_says<D: TestDb>(mode: ClaimMode) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     fx.publish(&q, 1).await;
     let d = claim_one::<D>(&q).await;
@@ -72,9 +66,7 @@ pub async fn a_dropped_delivery_counts_as_its_mode_says<D: TestDb>(mode: ClaimMo
 type Seen = Arc<Mutex<Vec<(i64, i64)>>>;
 
 async fn failing_first_attempt<D: TestDb>(mode: ClaimMode, panic: bool) {
-    let Some(fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     let seen: Seen = Arc::default();
@@ -137,13 +129,10 @@ pub async fn a_handler_error_is_a_retry<D: TestDb>(mode: ClaimMode) {
 pub async fn a_row_that_does_not_decode_is_retried_not_lost<D: TestDb>(mode: ClaimMode) {
     let dead = unique_name("dead");
     let dead_table = dead.clone();
-    let Some(fx) = Fixture::<D>::new(mode, move |b| {
+    let fx = Fixture::<D>::new(mode, move |b| {
         b.max_attempts(2).dead_letter(DeadLetter::Table(dead_table))
     })
-    .await
-    else {
-        return;
-    };
+    .await;
     let q = fx.queue().await;
     let mut job = NewJob::new(D::Text::from(crate::fixture::UNDECODABLE.to_owned()));
     if mode == ClaimMode::Advisory {

@@ -2,7 +2,7 @@
 //! the wrong type. Each gets a clear error or is handled, and nothing is lost.
 
 use broker_core::{
-    Backend, ClaimMode, ColumnType, DeadLetter, NewJob, SqlxBrokerError, TableDescription, Value,
+    ClaimMode, ColumnType, DeadLetter, NewJob, SqlxBrokerError, TableDescription, Value,
 };
 
 use super::claim_one;
@@ -14,11 +14,6 @@ use crate::{JobText, TestDb, unique_name};
 pub async fn identifiers_and_values_that_look_like_sql_round_trip<D: TestDb>(mode: ClaimMode) {
     let url = D::database().await;
     let broker = D::connect(&url).await;
-    if !broker.backend_capabilities_offer(mode) {
-        broker.close().await;
-        D::drop_database(&url).await;
-        return;
-    }
     let name = format!("{} x\"y'z`order", unique_name("q"));
     let dead = format!("{} dead\"", unique_name("q"));
     let b = TableDescription::builder(name.as_str())
@@ -99,9 +94,7 @@ pub async fn identifiers_and_values_that_look_like_sql_round_trip<D: TestDb>(mod
 /// An advisory key column that is NULL renders as the empty string: the row gets the key
 /// `"key-"` and is delivered, not lost.
 pub async fn a_null_key_value_is_delivered_under_the_empty_key<D: TestDb>() {
-    let Some(fx) = crate::Fixture::<D>::new(ClaimMode::Advisory, |b| b).await else {
-        return;
-    };
+    let fx = crate::Fixture::<D>::new(ClaimMode::Advisory, |b| b).await;
     let q = fx.queue().await;
     let id = q
         .publish(NewJob::new(D::Text::from("no key".to_owned())).column("k", Value::Null))
@@ -141,26 +134,11 @@ pub async fn a_text_attempt_column_is_a_schema_error_naming_it<D: TestDb>() {
     D::drop_database(&url).await;
 }
 
-trait Offers {
-    fn backend_capabilities_offer(&self, mode: ClaimMode) -> bool;
-}
-
-impl<B: broker_core::Backend> Offers for broker_core::Broker<B> {
-    fn backend_capabilities_offer(&self, mode: ClaimMode) -> bool {
-        self.backend().capabilities().offers(mode)
-    }
-}
-
 /// A table with only the columns its mode needs (no due time, priority, group or dead letter)
 /// claims, retries and acks: every statement still binds what it declares.
 pub async fn a_table_with_only_the_required_columns_works<D: TestDb>(mode: ClaimMode) {
     let url = D::database().await;
     let broker = D::connect(&url).await;
-    if !broker.backend().capabilities().offers(mode) {
-        broker.close().await;
-        D::drop_database(&url).await;
-        return;
-    }
     let b = TableDescription::builder(unique_name("bare")).payload("payload", ColumnType::Text);
     let table = match mode {
         ClaimMode::RowLock => b,

@@ -75,9 +75,7 @@ async fn drain(log: &Shared, n: usize) {
 /// Two subscriptions on two brokers never hold one row at once, and every row is acked exactly
 /// once (240 rows).
 pub async fn two_subscriptions_never_hold_one_row<D: TestDb>(mode: ClaimMode) {
-    let Some(mut fx) = Fixture::<D>::new(mode, |b| b).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(mode, |b| b).await;
     let q1 = fx.queue().await;
     let q2 = fx.other_queue().await;
     let ids = fx.publish(&q1, 240).await;
@@ -102,9 +100,7 @@ pub async fn two_subscriptions_never_hold_one_row<D: TestDb>(mode: ClaimMode) {
 /// Rows with one advisory key never overlap in work, while rows of other keys run side by side
 /// (three keys, eight rows each, two brokers).
 pub async fn rows_with_one_key_never_overlap_while_other_keys_run<D: TestDb>() {
-    let Some(mut fx) = Fixture::<D>::new(ClaimMode::Advisory, |b| b).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(ClaimMode::Advisory, |b| b).await;
     let q1 = fx.queue().await;
     let q2 = fx.other_queue().await;
     let jobs: Vec<_> = (0..24)
@@ -157,9 +153,7 @@ pub async fn rows_with_one_key_never_overlap_while_other_keys_run<D: TestDb>() {
 /// A FIFO group is processed in id order, one row at a time, across two brokers; groups run
 /// side by side.
 pub async fn fifo_groups_run_in_order_one_at_a_time<D: TestDb>(mode: ClaimMode) {
-    let Some(mut fx) = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await else {
-        return;
-    };
+    let mut fx = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await;
     let q1 = fx.queue().await;
     let q2 = fx.other_queue().await;
     let jobs: Vec<_> = (0..48)

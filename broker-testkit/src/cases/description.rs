@@ -24,7 +24,8 @@ pub async fn modes_follow_the_description<D: TestDb>() {
     assert_eq!(adv.mode(), ClaimMode::Advisory);
     // And the backend prepares each mode it offers as that mode.
     for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
-        if let Some(fx) = Fixture::<D>::new(mode, |b| b).await {
+        if D::offers(mode).await {
+            let fx = Fixture::<D>::new(mode, |b| b).await;
             assert_eq!(fx.queue().await.mode(), mode);
             fx.cleanup().await;
         }
@@ -111,9 +112,7 @@ pub async fn a_missing_table_is_a_schema_error_naming_it<D: TestDb>() {
 
 /// A column the description names but the table lacks is refused, naming the column.
 pub async fn a_missing_column_is_a_schema_error_naming_it<D: TestDb>() {
-    let Some(fx) = Fixture::<D>::new(ClaimMode::Lease, |b| b).await else {
-        return;
-    };
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
     let wider = describe(fx.table.name(), ClaimMode::Lease)
         .priority("prio_missing")
         .build()
@@ -131,11 +130,47 @@ pub async fn a_missing_column_is_a_schema_error_naming_it<D: TestDb>() {
 /// A mode the backend lacks is refused at subscribe time with what to add; a mode it offers
 /// prepares.
 pub async fn an_unoffered_mode_is_refused_with_what_to_add<D: TestDb>() {
-    // Fixture::new checks the refusal itself when the mode is not offered.
+    let mut refused = 0;
     for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
-        if let Some(fx) = Fixture::<D>::new(mode, |b| b).await {
+        if D::offers(mode).await {
+            let fx = Fixture::<D>::new(mode, |b| b).await;
             fx.queue().await;
             fx.cleanup().await;
+        } else {
+            crate::fixture::assert_refused::<D>(mode).await;
+            refused += 1;
         }
     }
+    // The suite is stamped for a backend that lacks a mode only through this case: it must
+    // then have refused something.
+    assert_eq!(
+        refused,
+        usize::from(!D::offers(ClaimMode::RowLock).await),
+        "only row lock is ever left out"
+    );
+}
+
+/// The modes the suite was stamped for are exactly the ones the backend offers, and the
+/// killed-connections cases are stamped exactly where the database has server connections: a
+/// backend cannot drop a mode's cases by mistake.
+pub async fn the_suite_covers_what_the_backend_offers<D: TestDb>(
+    stamped: &[ClaimMode],
+    server_connections: bool,
+) {
+    for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+        assert_eq!(
+            D::offers(mode).await,
+            stamped.contains(&mode),
+            "{mode}: the suite's modes and the backend's capabilities disagree"
+        );
+    }
+    let url = D::database().await;
+    let broker = D::connect(&url).await;
+    assert_eq!(
+        D::kill_connections(&broker).await.is_some(),
+        server_connections,
+        "server_connections and the backend's kill_connections disagree"
+    );
+    broker.close().await;
+    D::drop_database(&url).await;
 }

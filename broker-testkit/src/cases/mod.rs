@@ -1,24 +1,30 @@
 //! The conformance cases. Each is a generic async function over a [`TestDb`](crate::TestDb);
-//! cases about a claim mode take it as an argument, and return early (after checking that the
-//! mode is refused as such) when the backend does not offer it.
+//! cases about a claim mode take it as an argument. [`conformance_suite!`](crate::conformance_suite)
+//! stamps a mode's cases only for backends that offer the mode, so no case returns early.
 
 mod attempts;
 mod bad_input;
 mod concurrency;
 mod description;
 mod faults;
+mod fencing;
+mod fifo;
 mod lifecycle;
 mod restart;
 mod settle;
+mod stress;
 
 pub use attempts::*;
 pub use bad_input::*;
 pub use concurrency::*;
 pub use description::*;
 pub use faults::*;
+pub use fencing::*;
+pub use fifo::*;
 pub use lifecycle::*;
 pub use restart::*;
 pub use settle::*;
+pub use stress::*;
 
 use broker_core::{Delivery, Queue};
 

@@ -1,0 +1,238 @@
+//! Fencing: every statement a lease or advisory delivery settles or renews with must take effect
+//! only while the row is still that delivery's. Each case makes a stale holder, lets it try one
+//! statement, and checks that the statement was refused and the row did not change.
+//!
+//! A stale holder is made as each mode loses a row in production:
+//! - lease: the lease (1 s) runs out and another claim takes the row (attempt 2);
+//! - advisory: the row is taken again under another key while the first delivery still holds
+//!   its own (the row's key column is changed behind the broker's back). Only the fence on the
+//!   attempt, not the key lock, then keeps the first delivery's settlement out; the same holds
+//!   for a settlement still on its way after its key was freed.
+
+use std::time::{Duration, SystemTime};
+
+use broker_core::{
+    ClaimMode, ColumnType, DeadLetter, Delivery, Queue, RowState, SqlxBrokerError,
+    TableDescription, clock,
+};
+
+use super::claim_one;
+use crate::{Fixture, TestDb, claim_within, unique_name, wait_until};
+
+/// What the stale holder tries.
+#[derive(Debug, Clone, Copy)]
+enum Attempted {
+    Ack,
+    Retry,
+    RetryAfter,
+    DeadLetter,
+    Renew,
+}
+
+/// Which statement of the table's settlement the stale holder runs into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// Ack deletes; retries write the due time.
+    Plain,
+    /// Ack sets `processed_at`.
+    Processed,
+    /// No due-time column: a retry writes nothing but the lease.
+    NoDueColumn,
+    /// Dead letters move to a table.
+    DeadTable,
+    /// Dead letters set a column.
+    DeadMark,
+}
+
+/// A row held by a stale delivery and, since, by a fresh one.
+struct Stale<D: TestDb> {
+    fx: Fixture<D>,
+    queue: Queue<D::B, D::Job>,
+    stale: Delivery<D::B, D::Job>,
+    fresh: Delivery<D::B, D::Job>,
+    id: i64,
+}
+
+async fn stale_holder<D: TestDb>(mode: ClaimMode, shape: Shape) -> Stale<D> {
+    let fx = Fixture::<D>::build(mode, |name| {
+        let b = TableDescription::builder(name).payload("payload", ColumnType::Text);
+        let b = match shape {
+            Shape::NoDueColumn => b,
+            _ => b.due_at("due_at"),
+        };
+        let b = match shape {
+            Shape::Processed => b.processed_at("done_at"),
+            Shape::DeadTable => b.dead_letter(DeadLetter::Table(unique_name("dead"))),
+            Shape::DeadMark => b.dead_letter(DeadLetter::Column("dead_at".into())),
+            Shape::Plain | Shape::NoDueColumn => b,
+        };
+        match mode {
+            ClaimMode::Lease => b.locked_until("locked_until").lease_seconds(1),
+            ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("key-{k}"),
+            ClaimMode::RowLock => unreachable!("row lock holds its rows in a transaction"),
+        }
+    })
+    .await;
+    let queue = fx.queue().await;
+    // A due time in the past, so a retry that lands (it clears the due time) changes the row.
+    let job = fx.job(0);
+    let job = if shape == Shape::NoDueColumn {
+        job
+    } else {
+        job.run_at(SystemTime::now() - Duration::from_secs(3600))
+    };
+    let id = queue.publish(job).await.expect("publish");
+    let stale = claim_one::<D>(&queue).await;
+    assert_eq!((stale.id(), stale.attempt()), (id, 1));
+    let fresh = match mode {
+        ClaimMode::Lease => {
+            claim_within(
+                &queue,
+                Duration::from_secs(10),
+                "the row again once the stale lease ran out",
+            )
+            .await
+        }
+        _ => {
+            let sql = format!(
+                "UPDATE {} SET k = 'k0-moved' WHERE {} = {id}",
+                fx.table.name(),
+                fx.table.id()
+            );
+            assert_eq!(D::execute(&fx.broker, &sql).await, 1, "{sql}");
+            let fresh = claim_one::<D>(&queue).await;
+            assert_eq!(fresh.key(), Some("key-k0-moved"));
+            fresh
+        }
+    };
+    assert_eq!(
+        (fresh.id(), fresh.attempt()),
+        (id, 2),
+        "the fresh claim took the row"
+    );
+    Stale {
+        fx,
+        queue,
+        stale,
+        fresh,
+        id,
+    }
+}
+
+/// The stale holder tries `attempted` on a table of `shape`: refused, nothing changed; the
+/// fresh holder then acks.
+async fn stale_holder_is_fenced<D: TestDb>(mode: ClaimMode, shape: Shape, attempted: Attempted) {
+    let Stale {
+        fx,
+        queue,
+        mut stale,
+        fresh,
+        id,
+    } = stale_holder::<D>(mode, shape).await;
+    if let Attempted::Renew = attempted {
+        // A renewal writes an expiry at a whole second: wait until the stale holder's would
+        // differ from the fresh one's, or an unfenced renewal would leave the row as it was.
+        let held = fresh.lease_expires_ms().expect("a lease delivery");
+        wait_until(
+            "a renewal to write a new expiry",
+            Duration::from_secs(5),
+            || async move { clock::lease_expiry_ms(clock::now_ms(), 1) != held },
+        )
+        .await;
+    }
+    let before: RowState = queue
+        .row_state(id)
+        .await
+        .unwrap()
+        .expect("the row is there");
+    let result = match attempted {
+        Attempted::Ack => stale.ack().await,
+        Attempted::Retry => stale.retry().await,
+        Attempted::RetryAfter => stale.retry_after(Duration::from_secs(60)).await,
+        Attempted::DeadLetter => stale.dead_letter().await,
+        Attempted::Renew => {
+            let r = stale.renew().await;
+            drop(stale);
+            r
+        }
+    };
+    let err = result.expect_err("a stale holder's statement must be refused");
+    match mode {
+        ClaimMode::Lease => assert!(
+            matches!(err, SqlxBrokerError::LeaseLost { id: lost, .. } if lost == id),
+            "{err:?}"
+        ),
+        _ => assert!(
+            matches!(err, SqlxBrokerError::ClaimLost { id: lost, .. } if lost == id),
+            "{err:?}"
+        ),
+    }
+    assert!(err.to_string().contains(fx.table.name()), "{err}");
+    if mode == ClaimMode::Lease {
+        // A dropped stale lease is released in a clean-up task, fenced as well: let it run.
+        fx.broker.flush_cleanups().await;
+    }
+    assert_eq!(
+        queue.row_state(id).await.unwrap().as_ref(),
+        Some(&before),
+        "the stale {attempted:?} changed the row"
+    );
+    if mode == ClaimMode::Lease {
+        assert_eq!(queue.metrics().lease_lost, 1);
+    } else {
+        // The refused settlement frees the stale delivery's key.
+        wait_until("the stale key to be freed", Duration::from_secs(10), || {
+            let broker = &fx.broker;
+            async move { !D::key_is_held(broker, "key-k0").await }
+        })
+        .await;
+    }
+    fresh.ack().await.expect("the fresh holder settles");
+    let after = queue.row_state(id).await.unwrap();
+    match shape {
+        Shape::Processed => assert!(after.expect("a processed row stays").processed),
+        _ => assert_eq!(after, None, "the fresh ack deleted the row"),
+    }
+    fx.cleanup().await;
+}
+
+/// A stale holder's ack (a delete) is refused and leaves the row alone.
+pub async fn a_stale_holder_cannot_ack_by_delete<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Plain, Attempted::Ack).await;
+}
+
+/// A stale holder's ack (setting `processed_at`) is refused and leaves the row alone.
+pub async fn a_stale_holder_cannot_mark_processed<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Processed, Attempted::Ack).await;
+}
+
+/// A stale holder's retry (clearing the due time) is refused and leaves the row alone.
+pub async fn a_stale_holder_cannot_retry<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Plain, Attempted::Retry).await;
+}
+
+/// On a table without a due-time column a retry writes nothing but the lease; a stale one is
+/// still refused.
+pub async fn a_stale_holder_cannot_retry_without_a_due_column<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::NoDueColumn, Attempted::Retry).await;
+}
+
+/// A stale holder's delayed retry is refused and does not move the due time.
+pub async fn a_stale_holder_cannot_retry_after_a_delay<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Plain, Attempted::RetryAfter).await;
+}
+
+/// A stale holder's dead letter to a table is refused: the row is neither moved nor copied.
+pub async fn a_stale_holder_cannot_move_to_the_dead_letter_table<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::DeadTable, Attempted::DeadLetter).await;
+}
+
+/// A stale holder's dead-letter mark is refused and leaves the row alone.
+pub async fn a_stale_holder_cannot_mark_dead<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::DeadMark, Attempted::DeadLetter).await;
+}
+
+/// A stale lease holder cannot renew: the fresh holder's expiry stays in the row.
+pub async fn a_stale_holder_cannot_renew<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Plain, Attempted::Renew).await;
+}

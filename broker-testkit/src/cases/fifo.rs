@@ -1,0 +1,146 @@
+//! FIFO groups beyond the happy path: a head that retries, waits for a delayed retry, or ends
+//! processed or dead-lettered, and groups that run side by side. Manual claims make every step
+//! an ordering or state assertion.
+
+use std::time::Duration;
+
+use broker_core::{ClaimMode, DeadLetter, Delivery, Queue};
+
+use super::claim_one;
+use crate::{Fixture, TestDb, claim_within};
+
+/// A FIFO table's fixture with `rows` published, row `i` in group `groups[i]`; returns the ids.
+async fn fifo_rows<D: TestDb>(
+    mode: ClaimMode,
+    tweak: impl FnOnce(broker_core::TableBuilder) -> broker_core::TableBuilder,
+    groups: &[&str],
+) -> (Fixture<D>, Queue<D::B, D::Job>, Vec<i64>) {
+    let fx = Fixture::<D>::new(mode, |b| tweak(b.group("grp").fifo(true))).await;
+    let q = fx.queue().await;
+    let jobs: Vec<_> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, g)| fx.job(i).group(*g))
+        .collect();
+    let ids = q.publish_batch(&jobs).await.expect("publish");
+    (fx, q, ids)
+}
+
+/// Nothing is claimable now: `why` says which rows must wait.
+async fn nothing_claimable<D: TestDb>(q: &Queue<D::B, D::Job>, why: &str) {
+    let got: Vec<Delivery<D::B, D::Job>> = q.claim(4).await.expect("claim");
+    let ids: Vec<i64> = got.iter().map(Delivery::id).collect();
+    assert!(ids.is_empty(), "{why}, but rows {ids:?} were claimed");
+}
+
+/// Two groups run side by side while each keeps its order: with one row of each group in work,
+/// the groups' second rows wait, and each comes as soon as its own head is settled, while the
+/// other group's head is still in work.
+pub async fn fifo_groups_run_side_by_side<D: TestDb>(mode: ClaimMode) {
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["ga", "ga", "gb", "gb"]).await;
+    let a1 = claim_one::<D>(&q).await;
+    assert_eq!(a1.id(), ids[0]);
+    let b1 = claim_one::<D>(&q).await;
+    assert_eq!(b1.id(), ids[2], "group gb's head runs beside group ga's");
+    nothing_claimable::<D>(&q, "both groups have their head in work").await;
+    a1.ack().await.unwrap();
+    let a2 = claim_one::<D>(&q).await;
+    assert_eq!(
+        a2.id(),
+        ids[1],
+        "ga moves on while gb's head is still in work"
+    );
+    nothing_claimable::<D>(&q, "both groups have a row in work").await;
+    b1.ack().await.unwrap();
+    let b2 = claim_one::<D>(&q).await;
+    assert_eq!(b2.id(), ids[3]);
+    a2.ack().await.unwrap();
+    b2.ack().await.unwrap();
+    nothing_claimable::<D>(&q, "every row is acked").await;
+    fx.cleanup().await;
+}
+
+/// A head that retries comes back before the next row of its group, at the next attempt; the
+/// next row waits while the head is in work, both times.
+pub async fn a_fifo_retry_keeps_its_group_waiting<D: TestDb>(mode: ClaimMode) {
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["g", "g"]).await;
+    let head = claim_one::<D>(&q).await;
+    assert_eq!(head.id(), ids[0]);
+    nothing_claimable::<D>(&q, "the second row waits while its head is in work").await;
+    head.retry().await.unwrap();
+    let again = claim_one::<D>(&q).await;
+    assert_eq!(
+        (again.id(), again.attempt()),
+        (ids[0], 2),
+        "the retried head comes back first"
+    );
+    nothing_claimable::<D>(&q, "the second row waits for the retried head").await;
+    again.ack().await.unwrap();
+    let next = claim_one::<D>(&q).await;
+    assert_eq!((next.id(), next.attempt()), (ids[1], 1));
+    next.ack().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// A head waiting for a delayed retry still blocks the later rows of its group (they are due,
+/// it is not); the head comes back before them, and another group's row is delivered too.
+pub async fn a_fifo_delayed_retry_blocks_later_rows_of_its_group<D: TestDb>(mode: ClaimMode) {
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["g", "g", "h"]).await;
+    let head = claim_one::<D>(&q).await;
+    assert_eq!(head.id(), ids[0]);
+    head.retry_after(Duration::from_secs(3)).await.unwrap();
+    // Everything delivered from here on, in order, each acked at once.
+    let mut order = Vec::new();
+    while order.len() < 3 {
+        let d = claim_within(&q, Duration::from_secs(20), "the next row").await;
+        order.push((d.id(), d.attempt()));
+        d.ack().await.unwrap();
+    }
+    let group_g: Vec<_> = order.iter().filter(|(id, _)| *id != ids[2]).collect();
+    assert_eq!(
+        group_g,
+        [&(ids[0], 2), &(ids[1], 1)],
+        "g's second row comes only after its head's delayed retry (order {order:?})"
+    );
+    assert!(order.contains(&(ids[2], 1)), "group h ran: {order:?}");
+    nothing_claimable::<D>(&q, "every row is acked").await;
+    fx.cleanup().await;
+}
+
+/// Rows of a group that are processed (`processed_at` set) or dead-lettered (marked) stay in the
+/// table but do not hold their group up, and are never delivered again.
+pub async fn a_fifo_group_moves_on_past_processed_and_dead_rows<D: TestDb>(mode: ClaimMode) {
+    let (fx, q, ids) = fifo_rows::<D>(
+        mode,
+        |b| {
+            b.processed_at("done_at")
+                .dead_letter(DeadLetter::Column("dead_at".into()))
+        },
+        &["g", "g", "g"],
+    )
+    .await;
+    let first = claim_one::<D>(&q).await;
+    assert_eq!(first.id(), ids[0]);
+    first.ack().await.unwrap();
+    let second = claim_one::<D>(&q).await;
+    assert_eq!(second.id(), ids[1], "a processed head lets its group go on");
+    second.dead_letter().await.unwrap();
+    let third = claim_one::<D>(&q).await;
+    assert_eq!(
+        third.id(),
+        ids[2],
+        "a dead-lettered head lets its group go on"
+    );
+    third.ack().await.unwrap();
+    nothing_claimable::<D>(&q, "processed and dead rows are never delivered again").await;
+    let states: Vec<_> = {
+        let mut v = Vec::new();
+        for id in &ids {
+            let s = q.row_state(*id).await.unwrap().expect("marked rows stay");
+            v.push((s.processed, s.dead));
+        }
+        v
+    };
+    assert_eq!(states, [(true, false), (false, true), (true, false)]);
+    fx.cleanup().await;
+}

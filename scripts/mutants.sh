@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Mutation testing: cargo-mutants changes one thing at a time in the statement builders (and, with
+# `core`, the core's settle and claim paths) and runs the SQLite conformance suite against each
+# change; a change no test notices is a "missed" mutant. Too slow for every CI run (see the
+# README's Reliability section for the time and the score); run it after changing a statement.
+#
+#   scripts/mutants.sh            # SQLite statement builders: sql.rs, lease.rs, advisory.rs, fifo.rs
+#   scripts/mutants.sh core       # broker-core's delivery settlement, renewal and claim paths
+#   scripts/mutants.sh all        # both
+#
+# Results land in target/mutants/<scope>/mutants.out (caught.txt, missed.txt, timeout.txt,
+# unviable.txt). The stress runs are skipped: they take a minute each per mutant and every
+# guarantee they check has a focused case.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v cargo-mutants >/dev/null 2>&1; then
+    cargo install cargo-mutants --locked
+fi
+
+scope=${1:-sqlite}
+sqlite=(-f broker-sqlite/src/sql.rs -f broker-sqlite/src/lease.rs
+    -f broker-sqlite/src/advisory.rs -f broker-sqlite/src/fifo.rs)
+# The settle, renew and claim paths of the core; its builders and accessors are left out.
+core=(-f broker-core/src/delivery.rs -f broker-core/src/broker.rs
+    -F 'settle|from_claim|renew_lease|retry_or_dead|held_attempt|claim')
+case "$scope" in
+    sqlite) files=("${sqlite[@]}") ;;
+    core) files=("${core[@]}") ;;
+    all) files=("${sqlite[@]}" "${core[@]}") ;;
+    *)
+        echo "usage: $0 [sqlite|core|all]" >&2
+        exit 2
+        ;;
+esac
+
+mkdir -p "target/mutants/$scope"
+start=$(date +%s)
+status=0
+cargo mutants "${files[@]}" \
+    --test-package broker-sqlite \
+    --jobs 1 \
+    --no-shuffle \
+    --timeout-multiplier 3 \
+    --output "target/mutants/$scope" \
+    -- --test conformance -- --skip stress || status=$?
+end=$(date +%s)
+out="target/mutants/$scope/mutants.out"
+count() { [ -f "$out/$1" ] && wc -l <"$out/$1" || echo 0; }
+caught=$(count caught.txt)
+missed=$(count missed.txt)
+timeout=$(count timeout.txt)
+unviable=$(count unviable.txt)
+echo "mutants ($scope): caught $caught, missed $missed, timeout $timeout, unviable $unviable, in $(((end - start) / 60)) min"
+if [ "$missed" -gt 0 ]; then
+    echo "missed:"
+    cat "$out/missed.txt"
+fi
+# cargo-mutants exits 2 when a mutant was missed, 3 on a timeout: pass that on.
+exit "$status"
