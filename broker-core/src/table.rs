@@ -360,6 +360,48 @@ impl TableDescription {
         out.extend(self.columns.iter().map(|(c, _)| (c.as_str(), "column")));
         out
     }
+
+    /// Refuses a table, dead-letter table or column name longer than a database keeps.
+    /// `limit` counts what `len` measures (bytes on PostgreSQL, characters on MySQL). A name cut
+    /// short silently could become another name (with long names the dead-letter table was
+    /// the queue table itself), so it is refused before any statement uses it.
+    pub fn check_name_lengths(
+        &self,
+        database: &str,
+        limit: usize,
+        unit: &str,
+        len: impl Fn(&str) -> usize,
+    ) -> Result<()> {
+        let mut names = vec![(self.name.as_str(), "the table name")];
+        if let Some(DeadLetter::Table(d)) = &self.dead_letter {
+            names.push((d.as_str(), "the dead-letter table name"));
+        }
+        let columns: Vec<String> = self
+            .named_columns()
+            .into_iter()
+            .map(|(c, role)| format!("\"{c}\" ({role})"))
+            .collect();
+        for (i, (c, _)) in self.named_columns().into_iter().enumerate() {
+            names.push((c, columns[i].as_str()));
+        }
+        for (name, what) in names {
+            let n = len(name);
+            if n > limit {
+                let what = if what.starts_with('"') {
+                    format!("column {what}")
+                } else {
+                    format!("{what} \"{name}\"")
+                };
+                return Err(SqlxBrokerError::description(
+                    &self.name,
+                    format!(
+                        "{what} is {n} {unit} long; {database} keeps at most {limit} (a longer name would be cut short and could become another one); use a shorter name"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Builds a [`TableDescription`]; see [`TableDescription::builder`].

@@ -69,6 +69,36 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@named $db;
             a_killed_worker_gives_its_rows_back,
         );
+        $crate::conformance_suite!(@hardening $db);
+    };
+    // Bad input and faults (cases/hardening.rs).
+    (@hardening $db:ty) => {
+        mod hardening {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                a_batch_publish_with_a_poisoned_last_row_commits_nothing,
+                a_take_whose_read_fails_spends_no_attempt,
+                option_values_the_engine_cannot_run_with_are_refused,
+                claims_that_keep_failing_back_off_and_show_in_health,
+                names_longer_than_the_database_keeps_are_refused,
+                a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
+            );
+            $crate::conformance_suite!(@modes $db;
+                a_retry_after_duration_max_parks_the_row_far_away,
+                a_settlement_that_always_fails_ends_in_the_dead_letters,
+                a_settlement_that_always_fails_without_dead_letters_backs_off,
+                concurrency_200_drains_like_8_on_the_default_pool,
+            );
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_row_deleted_while_leased_is_reported_gone() {
+                $crate::cases::a_row_deleted_while_claimed_is_reported_gone::<$db>($crate::__private::ClaimMode::Lease).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_row_deleted_while_its_key_is_held_is_reported_gone() {
+                $crate::cases::a_row_deleted_while_claimed_is_reported_gone::<$db>($crate::__private::ClaimMode::Advisory).await;
+            }
+        }
     };
     (@named $db:ty; $($case:ident),* $(,)?) => {
         mod killed {

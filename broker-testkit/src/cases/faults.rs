@@ -76,50 +76,52 @@ fn stress_worker<D: TestDb>(
     history: &Arc<History>,
 ) -> Subscription {
     let history = history.clone();
-    queue.subscribe(
-        SubscribeOptions::new()
-            .name(format!("stress-{index}"))
-            .concurrency(8)
-            .batch_size(8)
-            .poll_interval(Duration::from_millis(100))
-            .shutdown_timeout(Duration::ZERO)
-            .error_backoff(Duration::ZERO, Duration::ZERO),
-        move |job| {
-            let history = history.clone();
-            Box::pin(async move {
-                let at = history.start(
-                    index,
-                    job.id(),
-                    job.attempt(),
-                    job.key().map(str::to_owned),
-                    None,
-                );
-                let roll = mix(job.id(), job.attempt()) % 100;
-                // Some handlers take a moment, so kills find deliveries in work.
-                match roll % 5 {
-                    0 => tokio::time::sleep(Duration::from_millis(2)).await,
-                    1 => tokio::task::yield_now().await,
-                    _ => {}
-                }
-                let (recorded, result) = match roll {
-                    0..70 => (Recorded::Ack, Ok(Outcome::Ack)),
-                    70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
-                    78..84 => (
-                        Recorded::RetryAfter,
-                        Ok(Outcome::RetryAfter(Duration::from_millis(20))),
-                    ),
-                    84..92 => (Recorded::Error, Err("a random handler error".into())),
-                    92..96 => {
-                        history.finish(at, Recorded::Panic);
-                        std::panic::panic_any(DELIBERATE_PANIC);
+    queue
+        .subscribe(
+            SubscribeOptions::new()
+                .name(format!("stress-{index}"))
+                .concurrency(8)
+                .batch_size(8)
+                .poll_interval(Duration::from_millis(100))
+                .shutdown_timeout(Duration::ZERO)
+                .error_backoff(Duration::ZERO, Duration::ZERO),
+            move |job| {
+                let history = history.clone();
+                Box::pin(async move {
+                    let at = history.start(
+                        index,
+                        job.id(),
+                        job.attempt(),
+                        job.key().map(str::to_owned),
+                        None,
+                    );
+                    let roll = mix(job.id(), job.attempt()) % 100;
+                    // Some handlers take a moment, so kills find deliveries in work.
+                    match roll % 5 {
+                        0 => tokio::time::sleep(Duration::from_millis(2)).await,
+                        1 => tokio::task::yield_now().await,
+                        _ => {}
                     }
-                    _ => (Recorded::DeadLetter, Ok(Outcome::DeadLetter)),
-                };
-                history.finish(at, recorded);
-                result
-            })
-        },
-    )
+                    let (recorded, result) = match roll {
+                        0..70 => (Recorded::Ack, Ok(Outcome::Ack)),
+                        70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
+                        78..84 => (
+                            Recorded::RetryAfter,
+                            Ok(Outcome::RetryAfter(Duration::from_millis(20))),
+                        ),
+                        84..92 => (Recorded::Error, Err("a random handler error".into())),
+                        92..96 => {
+                            history.finish(at, Recorded::Panic);
+                            std::panic::panic_any(DELIBERATE_PANIC);
+                        }
+                        _ => (Recorded::DeadLetter, Ok(Outcome::DeadLetter)),
+                    };
+                    history.finish(at, recorded);
+                    result
+                })
+            },
+        )
+        .expect("subscribe")
 }
 
 /// 4 brokers × 8 workers drain a table of [`stress_rows`] rows with random outcomes, while two
@@ -303,16 +305,18 @@ async fn child_worker<D: TestDb>(spec: &str) {
         .queue::<D::Job>(kill_table(table, mode))
         .await
         .expect("the child's queue");
-    let _sub = queue.subscribe(
-        SubscribeOptions::new().concurrency(4).batch_size(4),
-        |job| {
-            Box::pin(async move {
-                println!("STARTED {} {}", job.id(), job.attempt());
-                tokio::time::sleep(Duration::from_secs(300)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let _sub = queue
+        .subscribe(
+            SubscribeOptions::new().concurrency(4).batch_size(4),
+            |job| {
+                Box::pin(async move {
+                    println!("STARTED {} {}", job.id(), job.attempt());
+                    tokio::time::sleep(Duration::from_secs(300)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     tokio::time::sleep(Duration::from_secs(300)).await;
 }
 
@@ -503,6 +507,7 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
                 })
             },
         )
+        .expect("subscribe")
     };
     let s1 = subscribe(&q, 0);
     let mut terminated = 0;

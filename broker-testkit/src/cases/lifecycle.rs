@@ -16,12 +16,14 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let ids = fx.publish(&q, 6).await;
-    let sub = q.subscribe(SubscribeOptions::new().concurrency(3), |_job| {
-        Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            Ok(Outcome::Ack)
+    let sub = q
+        .subscribe(SubscribeOptions::new().concurrency(3), |_job| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok(Outcome::Ack)
+            })
         })
-    });
+        .expect("subscribe");
     wait_until("three handlers in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 3 }
@@ -67,17 +69,19 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     fx.publish(&q, 2).await;
-    let sub = q.subscribe(
-        SubscribeOptions::new()
-            .concurrency(2)
-            .shutdown_timeout(Duration::from_millis(300)),
-        |_job| {
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_secs(120)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(2)
+                .shutdown_timeout(Duration::from_millis(300)),
+            |_job| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_secs(120)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until("two handlers in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 2 }
@@ -155,10 +159,12 @@ pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
         return;
     };
     let q = fx.queue().await;
-    let sub = q.subscribe(
-        SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
-        |_job| Box::pin(async move { Ok(Outcome::Ack) }),
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(60)),
+            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+        )
+        .expect("subscribe");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let start = Instant::now();
     fx.publish(&q, 1).await;

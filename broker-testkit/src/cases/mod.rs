@@ -7,6 +7,7 @@ mod bad_input;
 mod concurrency;
 mod description;
 mod faults;
+mod hardening;
 mod lifecycle;
 mod settle;
 
@@ -15,6 +16,7 @@ pub use bad_input::*;
 pub use concurrency::*;
 pub use description::*;
 pub use faults::*;
+pub use hardening::*;
 pub use lifecycle::*;
 pub use settle::*;
 
