@@ -23,7 +23,8 @@ pub enum Outcome {
     /// Put the row back, due at once. Dead-letters instead when the attempts are spent.
     Retry,
     /// Put the row back, due after the delay (the table needs a due-time column). Dead-letters
-    /// instead when the attempts are spent.
+    /// instead when the attempts are spent. The due time is at most 9999-12-31
+    /// ([`clock::MAX_DUE_MS`](crate::clock::MAX_DUE_MS)), so `Duration::MAX` parks the row.
     RetryAfter(Duration),
     /// Dead-letter the row now.
     DeadLetter,

@@ -121,7 +121,8 @@ impl SubscribeOptions {
     }
     /// The delay before retrying a row whose handler failed or panicked: `base` doubled per
     /// attempt, at most `max`. Zero retries at once. Needs a due-time column; without one,
-    /// failed rows are retried at once.
+    /// failed rows are retried at once. A base above its maximum is refused at subscribe. Rows
+    /// whose settlement failed back off by it too (see the crate docs).
     pub fn error_backoff(mut self, base: Duration, max: Duration) -> Self {
         self.error_backoff = base;
         self.error_backoff_max = max;

@@ -372,30 +372,20 @@ impl TableDescription {
         unit: &str,
         len: impl Fn(&str) -> usize,
     ) -> Result<()> {
-        let mut names = vec![(self.name.as_str(), "the table name")];
+        let mut names = vec![("the table name".to_owned(), self.name.as_str())];
         if let Some(DeadLetter::Table(d)) = &self.dead_letter {
-            names.push((d.as_str(), "the dead-letter table name"));
+            names.push(("the dead-letter table name".to_owned(), d.as_str()));
         }
-        let columns: Vec<String> = self
-            .named_columns()
-            .into_iter()
-            .map(|(c, role)| format!("\"{c}\" ({role})"))
-            .collect();
-        for (i, (c, _)) in self.named_columns().into_iter().enumerate() {
-            names.push((c, columns[i].as_str()));
+        for (c, role) in self.named_columns() {
+            names.push((format!("the {role} column name"), c));
         }
-        for (name, what) in names {
+        for (what, name) in names {
             let n = len(name);
             if n > limit {
-                let what = if what.starts_with('"') {
-                    format!("column {what}")
-                } else {
-                    format!("{what} \"{name}\"")
-                };
                 return Err(SqlxBrokerError::description(
                     &self.name,
                     format!(
-                        "{what} is {n} {unit} long; {database} keeps at most {limit} (a longer name would be cut short and could become another one); use a shorter name"
+                        "{what} \"{name}\" is {n} {unit} long; {database} keeps at most {limit} (a longer name would be cut short and could become another one); use a shorter name"
                     ),
                 ));
             }
