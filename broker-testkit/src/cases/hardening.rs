@@ -57,25 +57,42 @@ where
     }
 }
 
+/// Makes `table` refuse every `event` (INSERT or UPDATE) whose new row fails `check`: a CHECK
+/// constraint on PostgreSQL and MySQL, a trigger on SQLite (which cannot add a constraint to a
+/// table). `check` is given per dialect: PostgreSQL, MySQL, SQLite (on `NEW`'s columns there).
+async fn refuse<D: TestDb>(broker: &Broker<D::B>, table: &str, event: &str, check: [&str; 3])
+where
+    for<'c> &'c mut <DbOf<D> as Database>::Connection: Executor<'c, Database = DbOf<D>>,
+{
+    let [pg, my, lite] = check;
+    let sql = match dialect::<D>(broker) {
+        Dialect::Postgres => {
+            format!("ALTER TABLE \"{table}\" ADD CONSTRAINT \"{table}_refuse\" CHECK ({pg})")
+        }
+        Dialect::MySql => {
+            format!("ALTER TABLE `{table}` ADD CONSTRAINT `{table}_refuse` CHECK ({my})")
+        }
+        Dialect::Sqlite => format!(
+            "CREATE TRIGGER \"{table}_refuse\" BEFORE {event} ON \"{table}\" WHEN NOT ({lite}) \
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+        ),
+    };
+    exec::<D>(broker, sql).await;
+}
+
 /// Makes every UPDATE that sets `due_at` past 2100 fail on `table`: a retry after
 /// [`TWO_CENTURIES`] then fails every time, while claims, releases and dead letters work.
 async fn refuse_far_retries<D: TestDb>(broker: &Broker<D::B>, table: &str)
 where
     for<'c> &'c mut <DbOf<D> as Database>::Connection: Executor<'c, Database = DbOf<D>>,
 {
-    let sql = match dialect::<D>(broker) {
-        Dialect::Postgres => format!(
-            "ALTER TABLE \"{table}\" ADD CONSTRAINT \"{table}_near\" CHECK (due_at < TIMESTAMPTZ '2100-01-01 00:00:00+00')"
-        ),
-        Dialect::MySql => format!(
-            "ALTER TABLE `{table}` ADD CONSTRAINT `{table}_near` CHECK (due_at < '2100-01-01 00:00:00')"
-        ),
-        Dialect::Sqlite => format!(
-            "CREATE TRIGGER \"{table}_near\" BEFORE UPDATE ON \"{table}\" WHEN NEW.due_at >= {YEAR_2100_MS} \
-             BEGIN SELECT RAISE(ABORT, 'due_at past 2100 refused by the test'); END"
-        ),
-    };
-    exec::<D>(broker, sql).await;
+    let lite = format!("NEW.due_at IS NULL OR NEW.due_at < {YEAR_2100_MS}");
+    let check = [
+        "due_at < TIMESTAMPTZ '2100-01-01 00:00:00+00'",
+        "due_at < '2100-01-01 00:00:00'",
+        lite.as_str(),
+    ];
+    refuse::<D>(broker, table, "UPDATE", check).await;
 }
 
 /// Makes every INSERT of the payload `'poison'` fail on `table`.
@@ -83,19 +100,12 @@ async fn refuse_poison<D: TestDb>(broker: &Broker<D::B>, table: &str)
 where
     for<'c> &'c mut <DbOf<D> as Database>::Connection: Executor<'c, Database = DbOf<D>>,
 {
-    let sql = match dialect::<D>(broker) {
-        Dialect::Postgres => format!(
-            "ALTER TABLE \"{table}\" ADD CONSTRAINT \"{table}_clean\" CHECK (payload <> 'poison')"
-        ),
-        Dialect::MySql => format!(
-            "ALTER TABLE `{table}` ADD CONSTRAINT `{table}_clean` CHECK (payload <> 'poison')"
-        ),
-        Dialect::Sqlite => format!(
-            "CREATE TRIGGER \"{table}_clean\" BEFORE INSERT ON \"{table}\" WHEN NEW.payload = 'poison' \
-             BEGIN SELECT RAISE(ABORT, 'poison refused by the test'); END"
-        ),
-    };
-    exec::<D>(broker, sql).await;
+    let check = [
+        "payload <> 'poison'",
+        "payload <> 'poison'",
+        "NEW.payload IS NOT 'poison'",
+    ];
+    refuse::<D>(broker, table, "INSERT", check).await;
 }
 
 fn quoted<D: TestDb>(broker: &Broker<D::B>, name: &str) -> String {
