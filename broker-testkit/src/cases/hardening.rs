@@ -108,6 +108,27 @@ where
     refuse::<D>(broker, table, "INSERT", check).await;
 }
 
+/// Publishes `n` jobs as [`Fixture::publish`] does, but in advisory mode with keys of this
+/// table's own: advisory keys belong to the database, and cases here hold theirs for a while
+/// (backoffs, hundreds of rows), which must not hold up other cases' `k0`, `k1`, ...
+async fn publish_own_keys<D: TestDb>(
+    fx: &Fixture<D>,
+    q: &broker_core::Queue<D::B, D::Job>,
+    n: usize,
+) -> Vec<i64> {
+    let jobs: Vec<_> = (0..n)
+        .map(|i| {
+            let job = broker_core::NewJob::new(D::Text::from(format!("job-{i}")));
+            if fx.table.mode() == ClaimMode::Advisory {
+                job.column("k", format!("{}-{i}", fx.table.name()))
+            } else {
+                job
+            }
+        })
+        .collect();
+    q.publish_batch(&jobs).await.expect("publish")
+}
+
 fn quoted<D: TestDb>(broker: &Broker<D::B>, name: &str) -> String {
     match dialect::<D>(broker) {
         Dialect::MySql => format!("`{name}`"),
@@ -123,7 +144,7 @@ pub async fn a_retry_after_duration_max_parks_the_row_far_away<D: TestDb>(mode: 
         return;
     };
     let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     claim_one::<D>(&q)
         .await
         .retry_after(Duration::MAX)
@@ -156,7 +177,7 @@ where
     };
     refuse_far_retries::<D>(&fx.broker, fx.table.name()).await;
     let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
     let sub = q
@@ -199,7 +220,7 @@ pub async fn a_settlement_that_always_fails_without_dead_letters_backs_off<D: Te
     };
     refuse_far_retries::<D>(&fx.broker, fx.table.name()).await;
     let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     let runs = Arc::new(AtomicUsize::new(0));
     let counted = runs.clone();
     let sub = q
@@ -277,7 +298,7 @@ where
         .await
         .expect("every backend offers advisory mode");
     let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     let t = quoted::<D>(&fx.broker, fx.table.name());
     exec::<D>(
         &fx.broker,
@@ -345,7 +366,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
             |_job| Box::pin(async { Ok(Outcome::Ack) }),
         )
         .expect("extreme valid options");
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     wait_until("the row to be acked", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.row_state(id).await.ok().flatten().is_none() }
@@ -462,7 +483,7 @@ where
         .await
         .expect("every backend offers lease and advisory modes");
     let q = fx.queue().await;
-    let id = fx.publish(&q, 1).await[0];
+    let id = publish_own_keys(&fx, &q, 1).await[0];
     let d = claim_one::<D>(&q).await;
     let t = quoted::<D>(&fx.broker, fx.table.name());
     exec::<D>(&fx.broker, format!("DELETE FROM {t} WHERE id = {id}")).await;
@@ -533,7 +554,7 @@ pub async fn concurrency_200_drains_like_8_on_the_default_pool<D: TestDb>(mode: 
     let q = fx.queue().await;
     for concurrency in [8, 200] {
         let before = q.metrics();
-        fx.publish(&q, 300).await;
+        publish_own_keys(&fx, &q, 300).await;
         let sub = q
             .subscribe(
                 SubscribeOptions::new()
