@@ -253,7 +253,7 @@ where
             .batch_size(scenario.batch)
             .shutdown_timeout(Duration::from_secs(10)),
         |_| Box::pin(async { Ok(Outcome::Ack) }),
-    );
+    )?;
     let result = watch(limits, stats, true, || {
         let m = queue.metrics();
         Progress {

@@ -469,7 +469,7 @@ where
             let _ = tx.send((index, started));
             Box::pin(async { Ok(Outcome::Ack) })
         },
-    );
+    )?;
     // Let the subscription start (and LISTEN) and go idle before the first sample.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let wait = (poll * 3).max(Duration::from_secs(2));

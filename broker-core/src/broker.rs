@@ -90,6 +90,7 @@ impl<B: Backend> Broker<B> {
                 hint: "add a locked_until column (lease mode) or an advisory_lock template",
             });
         }
+        self.inner.backend.check_names(&table)?;
         let prepared = self.inner.backend.prepare(&table).await?;
         Ok(Queue {
             inner: Arc::new(QueueInner {
@@ -98,6 +99,7 @@ impl<B: Backend> Broker<B> {
                 prepared,
                 metrics: Metrics::default(),
                 candidates: CandidateCache::default(),
+                settle_failures: SettleFailures::default(),
             }),
             _row: PhantomData,
         })
@@ -167,14 +169,23 @@ impl<B: Backend> Broker<B> {
 
     /// Creates the table of a description (and its index and dead-letter table) if missing.
     pub async fn create_tables(&self, table: &TableDescription) -> Result<()> {
+        self.inner.backend.check_names(table)?;
         let ddl = self.inner.backend.ddl(table);
-        self.inner.backend.execute_ddl(&ddl).await
+        self.inner
+            .backend
+            .execute_ddl(&ddl)
+            .await
+            .map_err(|e| e.for_table(table.name()))
     }
 
     /// Drops the tables [`create_tables`](Self::create_tables) creates.
     pub async fn drop_tables(&self, table: &TableDescription) -> Result<()> {
         let ddl = self.inner.backend.drop_ddl(table);
-        self.inner.backend.execute_ddl(&ddl).await
+        self.inner
+            .backend
+            .execute_ddl(&ddl)
+            .await
+            .map_err(|e| e.for_table(table.name()))
     }
 
     /// Whether [`close`](Self::close) has run.
@@ -291,6 +302,90 @@ pub(crate) struct QueueInner<B: Backend> {
     pub(crate) metrics: Metrics,
     /// Advisory mode: candidates a recent read returned that no claim has tried yet.
     pub(crate) candidates: CandidateCache,
+    /// Rows whose settlement failed, so their next delivery backs off or dead-letters them.
+    pub(crate) settle_failures: SettleFailures,
+}
+
+/// How many settlements of a row may fail in a row (for a reason that will not go away) before
+/// the row is dead-lettered at its next claim instead of run again; see the crate docs,
+/// "Settlements that fail".
+pub const SETTLE_FAILURE_LIMIT: u32 = 3;
+
+/// Rows of one queue whose last settlements failed, by id: how many in a row, and the last
+/// error. Kept in the process: a settlement that fails rolls back (row lock) or leaves the row
+/// as it was, so the database cannot count it, and a row lock attempt never moves there.
+#[derive(Debug, Default)]
+pub(crate) struct SettleFailures {
+    /// Entries in `rows`, read without the lock on the hot path (almost always 0).
+    len: std::sync::atomic::AtomicUsize,
+    rows: Mutex<HashMap<i64, (u32, String)>>,
+}
+
+impl SettleFailures {
+    /// Counts a failed settlement of row `id`; returns the failures in a row.
+    pub(crate) fn record(&self, id: i64, error: &SqlxBrokerError) -> u32 {
+        let mut rows = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = rows.entry(id).or_insert((0, String::new()));
+        entry.0 = entry.0.saturating_add(1);
+        entry.1 = error.to_string();
+        let n = entry.0;
+        self.len.store(rows.len(), Ordering::SeqCst);
+        n
+    }
+
+    /// Forgets row `id` (its settlement worked, or it is gone).
+    pub(crate) fn clear(&self, id: i64) {
+        if self.len.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut rows = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        rows.remove(&id);
+        self.len.store(rows.len(), Ordering::SeqCst);
+    }
+
+    /// The failures in a row of row `id`, and the last error.
+    pub(crate) fn get(&self, id: i64) -> Option<(u32, String)> {
+        if self.len.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        self.rows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+    }
+}
+
+/// Whether a settlement error says something about the row or its statement (a constraint, a
+/// trigger, a value out of range: it will fail again) rather than about the connection or a
+/// lock conflict (it will likely work next time). Only the first kind counts toward
+/// [`SETTLE_FAILURE_LIMIT`], so killed connections and deadlocks never dead-letter a row.
+pub(crate) fn fails_again(error: &SqlxBrokerError) -> bool {
+    let Some(sqlx::Error::Database(db)) = error.sqlx_source() else {
+        return false;
+    };
+    let code = db.code().unwrap_or_default();
+    // SQLSTATE classes 08 connection, 40 rollback (deadlock, serialization), 53 resources,
+    // 57 operator intervention (a terminated backend); 55P03 lock not available (PostgreSQL);
+    // HY000 (MySQL's lock wait timeout, among others) and 70100 (MySQL / MariaDB `KILL`).
+    // SQLite reports its result codes: 5 busy and 6 locked, with their extended codes.
+    const TRANSIENT_CLASSES: [&str; 4] = ["08", "40", "53", "57"];
+    const TRANSIENT_CODES: [&str; 3] = ["55P03", "HY000", "70100"];
+    if TRANSIENT_CLASSES
+        .iter()
+        .any(|c| code.len() == 5 && code.starts_with(c))
+        || TRANSIENT_CODES.contains(&code.as_ref())
+    {
+        return false;
+    }
+    // SQLSTATEs have five characters; SQLite's result codes are shorter numbers.
+    if code.len() < 5
+        && let Ok(n) = code.parse::<i64>()
+        && matches!(n % 256, 5 | 6)
+    {
+        return false;
+    }
+    true
 }
 
 /// Advisory candidates kept between claims, so a claim for fewer rows than a read returns does
@@ -361,27 +456,28 @@ impl<B: Backend, T> Queue<B, T> {
         Ok(ids.first().copied().unwrap_or_default())
     }
 
-    /// Publishes rows on a pool connection (one statement per backend batch) and wakes this
-    /// process's subscriptions.
+    /// Publishes rows on a pool connection and wakes this process's subscriptions. All or
+    /// nothing: a batch the backend writes in several statements runs in one transaction, so
+    /// a row that fails (a constraint, a value too long) leaves none of the batch behind and a
+    /// retry of the whole batch duplicates nothing.
     pub async fn publish_batch<P>(&self, jobs: &[NewJob<P>]) -> Result<Vec<i64>>
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
     {
         let table = &self.inner.table;
-        let mut conn = self
-            .inner
-            .broker
-            .backend
-            .pool()
-            .acquire()
-            .await
-            .map_err(|e| SqlxBrokerError::statement(table.name(), "publish", e))?;
-        let ids = self
-            .inner
-            .broker
-            .backend
-            .publish(&mut conn, table, jobs)
-            .await?;
+        let backend = &self.inner.broker.backend;
+        let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
+        let ids = if jobs.len() <= 1 {
+            // One statement is atomic on its own; no transaction round trips for it.
+            let mut conn = backend.pool().acquire().await.map_err(err)?;
+            backend.publish(&mut conn, table, jobs).await?
+        } else {
+            let mut tx = backend.pool().begin().await.map_err(err)?;
+            // On error the transaction rolls back as it drops.
+            let ids = backend.publish(&mut tx, table, jobs).await?;
+            tx.commit().await.map_err(err)?;
+            ids
+        };
         self.wake();
         Ok(ids)
     }
@@ -441,7 +537,12 @@ where
     /// The handler gets `&mut Delivery` and returns a boxed future of its [`Outcome`](crate::Outcome):
     /// `|job| Box::pin(async move { .. Ok(Outcome::Ack) })`. A runnable example is in the README
     /// and in `broker-sqlite`'s crate docs.
-    pub fn subscribe<F>(&self, options: SubscribeOptions, handler: F) -> Subscription
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::InvalidOption`] for an option value the engine cannot run with (a
+    /// concurrency, batch size or claim limit of 0, a poll interval under
+    /// [`MIN_POLL_INTERVAL`](crate::MIN_POLL_INTERVAL)), naming the option and what is accepted.
+    pub fn subscribe<F>(&self, options: SubscribeOptions, handler: F) -> Result<Subscription>
     where
         F: for<'a> Fn(&'a mut Delivery<B, T>) -> crate::BoxFuture<'a, crate::HandlerResult>
             + Send
@@ -552,27 +653,77 @@ impl<B: Backend> QueueInner<B> {
         Ok(out)
     }
 
+    /// Counts a failed settlement of row `id`: every statement failure in `settle_failed`, and
+    /// those that will fail again (see [`fails_again`]) against the row.
+    pub(crate) fn settle_failed(&self, id: i64, error: &SqlxBrokerError) {
+        if !matches!(error, SqlxBrokerError::Statement { .. }) {
+            return;
+        }
+        Metrics::add(&self.metrics.settle_failed, 1);
+        if fails_again(error) {
+            let n = self.settle_failures.record(id, error);
+            tracing::warn!(table = self.name(), id, failures = n, error = %error, "settlement failed; the row was released and its next delivery backs off");
+        }
+    }
+
     /// Settles one row by its hold. Returns what was done.
     pub(crate) async fn settle_hold(&self, hold: Hold<B>, settle: Settle) -> Result<()> {
         match (hold, &self.prepared) {
             (Hold::Tx(tx), Prepared::RowLock(s)) => s.settle(tx, settle).await,
-            (Hold::Lease(cell), Prepared::Lease(s)) => {
-                if s.settle(cell.token(), settle).await? {
-                    Ok(())
-                } else {
-                    Metrics::add(&self.metrics.lease_lost, 1);
-                    Err(SqlxBrokerError::LeaseLost {
-                        table: self.name().to_owned(),
-                        id: settle.id,
-                    })
+            (Hold::Lease(cell), Prepared::Lease(s)) => match s.settle(cell.token(), settle).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(self.lost(settle.id).await),
+                Err(e) => {
+                    // The row still holds this lease: give it back now, as a dropped delivery's
+                    // is, instead of leaving it until the lease runs out (its next delivery
+                    // backs off). A release that fails too leaves the lease to run out.
+                    if let Err(r) = s.settle(cell.token(), cell.release(settle.id)).await {
+                        tracing::warn!(table = self.name(), id = settle.id, error = %r, "release after a failed settlement failed; the lease runs out instead");
+                    }
+                    Err(e)
                 }
-            }
+            },
             (Hold::Key(mut hold), Prepared::Advisory(s)) => {
                 let lock = hold.lock_mut();
-                s.settle(lock, settle).await?;
-                hold.unlock().await
+                match s.settle(lock, settle).await {
+                    Err(SqlxBrokerError::ClaimLost { .. }) if self.is_gone(settle.id).await => {
+                        Err(self.gone(settle.id))
+                    }
+                    Err(e) => Err(e),
+                    Ok(()) => hold.unlock().await,
+                }
             }
             _ => unreachable!("a hold always comes from the queue's own mode"),
+        }
+    }
+
+    /// Whether row `id` is no longer in the table (nor among its dead letters): deleted by
+    /// something other than the broker. A failed look counts as not gone.
+    pub(crate) async fn is_gone(&self, id: i64) -> bool {
+        matches!(
+            self.broker.backend.row_state(&self.table, id).await,
+            Ok(None)
+        )
+    }
+
+    pub(crate) fn gone(&self, id: i64) -> SqlxBrokerError {
+        self.settle_failures.clear(id);
+        SqlxBrokerError::RowGone {
+            table: self.name().to_owned(),
+            id,
+        }
+    }
+
+    /// The error for a lease token the row no longer holds: the row is gone, or the lease ran
+    /// out and another claim holds it.
+    pub(crate) async fn lost(&self, id: i64) -> SqlxBrokerError {
+        if self.is_gone(id).await {
+            return self.gone(id);
+        }
+        Metrics::add(&self.metrics.lease_lost, 1);
+        SqlxBrokerError::LeaseLost {
+            table: self.name().to_owned(),
+            id,
         }
     }
 

@@ -15,9 +15,21 @@ pub fn now_ms() -> i64 {
     to_ms(SystemTime::now())
 }
 
-/// `delay` from now, in unix milliseconds.
+/// The latest due time the broker writes: 9999-12-31 23:59:59.999 UTC, the last instant every
+/// backend's time column holds (MySQL's DATETIME ends there; PostgreSQL's TIMESTAMPTZ and SQLite's
+/// integers go further). A longer delay means "not for a very long time", not an error.
+pub const MAX_DUE_MS: i64 = 253_402_300_799_999;
+
+/// `delay` from now, in unix milliseconds, at most [`MAX_DUE_MS`].
 pub fn after_ms(delay: Duration) -> i64 {
-    now_ms().saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
+    due_ms(now_ms(), delay)
+}
+
+/// `delay` after `now_ms`, at most [`MAX_DUE_MS`]: `Duration::MAX` is far, not out of range.
+pub fn due_ms(now_ms: i64, delay: Duration) -> i64 {
+    now_ms
+        .saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
+        .min(MAX_DUE_MS.max(now_ms))
 }
 
 /// A lease expiry: `lease_seconds` after now, rounded up to a whole second, so a time column

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sqlx::{Database, FromRow, Transaction};
 
-use crate::broker::QueueInner;
+use crate::broker::{QueueInner, SETTLE_FAILURE_LIMIT};
 use crate::clock;
 use crate::error::{Result, SqlxBrokerError};
 use crate::metrics::Metrics;
@@ -23,7 +23,8 @@ pub enum Outcome {
     /// Put the row back, due at once. Dead-letters instead when the attempts are spent.
     Retry,
     /// Put the row back, due after the delay (the table needs a due-time column). Dead-letters
-    /// instead when the attempts are spent.
+    /// instead when the attempts are spent. The due time is at most 9999-12-31
+    /// ([`clock::MAX_DUE_MS`](crate::clock::MAX_DUE_MS)), so `Duration::MAX` parks the row.
     RetryAfter(Duration),
     /// Dead-letter the row now.
     DeadLetter,
@@ -59,6 +60,16 @@ impl LeaseCell {
     pub(crate) fn set(&self, token: LeaseToken) {
         *self.token.lock().unwrap_or_else(|p| p.into_inner()) = token;
     }
+    /// The settlement that gives the row back, due at once, while it still holds this lease.
+    pub(crate) fn release(&self, id: i64) -> Settle {
+        Settle {
+            id,
+            action: Action::Retry { due_ms: None },
+            now_ms: clock::now_ms(),
+            attempt: self.token().attempt,
+        }
+    }
+
     pub(crate) fn mark_lost(&self) {
         self.lost.store(true, Ordering::SeqCst);
     }
@@ -146,6 +157,8 @@ pub struct Delivery<B: Backend, T> {
     key: Option<String>,
     row: T,
     hold: Option<Hold<B>>,
+    /// Settlements of this row that failed in a row before this delivery.
+    settle_failures: u32,
 }
 
 impl<B: Backend, T> std::fmt::Debug for Delivery<B, T> {
@@ -177,7 +190,14 @@ where
             .table
             .max_attempts()
             .is_some_and(|max| attempt > i64::from(max));
-        let decoded = if spent {
+        let failed = queue.settle_failures.get(id);
+        let failures = failed.as_ref().map_or(0, |(n, _)| *n);
+        // A row whose settlement failed again and again would fail again: it goes to the dead
+        // letters with the reason instead of running once more. Without a dead-letter target it
+        // keeps running, each time after a longer backoff (see the engine).
+        let settle_keeps_failing =
+            failures >= SETTLE_FAILURE_LIMIT && queue.table.dead_letter().is_some();
+        let decoded = if spent || settle_keeps_failing {
             None
         } else {
             Some(T::from_row(&claimed.row))
@@ -190,14 +210,26 @@ where
                 key: claimed.key,
                 row,
                 hold: Some(hold),
+                settle_failures: failures,
             }),
             None => {
-                tracing::warn!(
-                    table = queue.name(),
-                    id,
-                    attempt,
-                    "attempts spent before this delivery (a crash used them); dead-lettering"
-                );
+                if let Some((n, last)) = failed.filter(|_| settle_keeps_failing) {
+                    tracing::error!(
+                        table = queue.name(),
+                        id,
+                        attempt,
+                        failures = n,
+                        last_error = last,
+                        "the settlement of this row failed {n} times in a row; dead-lettering it without running the handler again"
+                    );
+                } else {
+                    tracing::warn!(
+                        table = queue.name(),
+                        id,
+                        attempt,
+                        "attempts spent before this delivery (a crash used them); dead-lettering"
+                    );
+                }
                 let settle = Settle {
                     id,
                     action: Action::DeadLetter,
@@ -205,9 +237,13 @@ where
                     attempt: queue.held_attempt(attempt),
                 };
                 match queue.settle_hold(hold, settle).await {
-                    Ok(()) => Metrics::add(&queue.metrics.dead_lettered, 1),
+                    Ok(()) => {
+                        queue.settle_failures.clear(id);
+                        Metrics::add(&queue.metrics.dead_lettered, 1);
+                    }
                     Err(e) => {
-                        tracing::warn!(table = queue.name(), id, error = %e, "dead-lettering a spent row failed")
+                        queue.settle_failed(id, &e);
+                        tracing::warn!(table = queue.name(), id, error = %e, "dead-lettering the row failed; it was released")
                     }
                 }
                 None
@@ -288,6 +324,12 @@ impl<B: Backend, T> Delivery<B, T> {
             Some(Hold::Lease(cell)) => Some(cell.token().expires_ms),
             _ => None,
         }
+    }
+
+    /// How many settlements of this row failed in a row before this delivery (the engine backs
+    /// off that much before running it).
+    pub(crate) fn settle_failures(&self) -> u32 {
+        self.settle_failures
     }
 
     pub(crate) fn lease_cell(&self) -> Option<Arc<LeaseCell>> {
@@ -374,9 +416,7 @@ impl<B: Backend, T> Delivery<B, T> {
                         ),
                     });
                 }
-                let due =
-                    now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
-                queue.retry_or_dead(self.attempt, Some(due))
+                queue.retry_or_dead(self.attempt, Some(clock::due_ms(now_ms, delay)))
             }
         };
         if action == Action::DeadLetter && table.dead_letter().is_none() {
@@ -395,7 +435,11 @@ impl<B: Backend, T> Delivery<B, T> {
             now_ms,
             attempt: queue.held_attempt(self.attempt),
         };
-        queue.settle_hold(hold, settle).await?;
+        if let Err(e) = queue.settle_hold(hold, settle).await {
+            queue.settle_failed(self.id, &e);
+            return Err(e);
+        }
+        queue.settle_failures.clear(self.id);
         let m = &queue.metrics;
         Metrics::add(
             match action {
@@ -445,11 +489,7 @@ pub(crate) async fn renew_lease<B: Backend>(
         Ok(())
     } else {
         cell.mark_lost();
-        Metrics::add(&queue.metrics.lease_lost, 1);
-        Err(SqlxBrokerError::LeaseLost {
-            table: queue.name().to_owned(),
-            id,
-        })
+        Err(queue.lost(id).await)
     }
 }
 
@@ -466,16 +506,10 @@ impl<B: Backend, T> Drop for Delivery<B, T> {
                 let id = self.id;
                 let broker = queue.broker.clone();
                 broker.spawn_cleanup(async move {
-                    if let Prepared::Lease(s) = &queue.prepared {
-                        let settle = Settle {
-                            id,
-                            action: Action::Retry { due_ms: None },
-                            now_ms: clock::now_ms(),
-                            attempt: cell.token().attempt,
-                        };
-                        if let Err(e) = s.settle(cell.token(), settle).await {
-                            tracing::warn!(table = queue.name(), id, error = %e, "release of a dropped lease failed; it runs out instead");
-                        }
+                    if let Prepared::Lease(s) = &queue.prepared
+                        && let Err(e) = s.settle(cell.token(), cell.release(id)).await
+                    {
+                        tracing::warn!(table = queue.name(), id, error = %e, "release of a dropped lease failed; it runs out instead");
                     }
                 });
             }

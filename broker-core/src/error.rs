@@ -47,6 +47,35 @@ pub enum SqlxBrokerError {
         id: i64,
     },
 
+    /// The row was deleted (by hand, or by something other than the broker) while a delivery
+    /// held it; the settlement changed nothing.
+    #[error(
+        "table \"{table}\": row {id} is gone: it was deleted while this delivery held it, so this settlement changed nothing (delete rows only after they are acked or dead-lettered)"
+    )]
+    RowGone {
+        /// The table.
+        table: String,
+        /// The row id.
+        id: i64,
+    },
+
+    /// A subscription option has a value the engine cannot run with.
+    #[error(
+        "subscription on table \"{table}\": {option} = {value} is refused: {why}; accepted: {accepted}"
+    )]
+    InvalidOption {
+        /// The table the subscription is for.
+        table: String,
+        /// The option's name, as its `SubscribeOptions` method is called.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// The values accepted.
+        accepted: &'static str,
+        /// Why the value cannot work.
+        why: &'static str,
+    },
+
     /// The database does not offer the claim mode the table description selects.
     #[error("table \"{table}\": {database} does not offer {mode} mode; {hint}")]
     ModeNotOffered {
@@ -84,8 +113,9 @@ pub enum SqlxBrokerError {
         source: sqlx::Error,
     },
 
-    /// A statement failed while the broker ran it.
-    #[error("table \"{table}\": statement \"{name}\" failed: {source}")]
+    /// A statement failed while the broker ran it. `table` is empty for statements that belong
+    /// to no table (connecting, reading the server version); the message then leaves it out.
+    #[error("{}statement \"{name}\" failed: {source}", table_prefix(.table))]
     Statement {
         /// The table.
         table: String,
@@ -148,6 +178,23 @@ impl SqlxBrokerError {
         }
     }
 
+    /// This error with `table` filled in where it names none (a statement run for no table,
+    /// such as DDL, that the caller ran for `table`).
+    pub(crate) fn for_table(self, table: &str) -> Self {
+        match self {
+            Self::Statement {
+                table: t,
+                name,
+                source,
+            } if t.is_empty() => Self::Statement {
+                table: table.to_owned(),
+                name,
+                source,
+            },
+            other => other,
+        }
+    }
+
     /// The driver error under this error, if there is one.
     pub fn sqlx_source(&self) -> Option<&sqlx::Error> {
         match self {
@@ -159,5 +206,30 @@ impl SqlxBrokerError {
     }
 }
 
+/// `table "t": ` before a message about a table, nothing for statements of no table, so no
+/// message ever names `table ""`.
+fn table_prefix(table: &str) -> String {
+    if table.is_empty() {
+        String::new()
+    } else {
+        format!("table \"{table}\": ")
+    }
+}
+
 /// Shorthand for results of this crate.
 pub type Result<T, E = SqlxBrokerError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_statement_of_no_table_never_names_an_empty_table() {
+        let e = SqlxBrokerError::statement("", "connect", sqlx::Error::PoolTimedOut);
+        let msg = e.to_string();
+        assert!(!msg.contains("table \"\""), "{msg}");
+        assert!(msg.starts_with("statement \"connect\" failed"), "{msg}");
+        let msg = e.for_table("jobs").to_string();
+        assert!(msg.starts_with("table \"jobs\": statement"), "{msg}");
+    }
+}

@@ -42,6 +42,22 @@
 //! its attempt is `n` or more dead-letters the row, and a row whose attempts crashes spent is
 //! dead-lettered when next claimed, without running the handler.
 //!
+//! # Settlements that fail
+//! A settlement whose statement fails leaves the row as the claim found it: row lock rolls back
+//! (the attempt never moves), lease gives the row back at once, advisory unlocks the key. Every
+//! such failure counts in [`MetricsSnapshot::settle_failed`]. A failure that will happen again
+//! (a constraint, a trigger, a value the column cannot hold; not a lost connection, a deadlock
+//! or a lock timeout) also counts against the row, in this process: its next delivery waits
+//! first, holding its claim (the error backoff for that many failures, at least the poll
+//! interval doubled per failure up to 30 s), and after [`SETTLE_FAILURE_LIMIT`] failures in a
+//! row the row is dead-lettered at its next claim without running the handler again, with the
+//! last error in the log. A table without a dead-letter target keeps such a row and runs it
+//! ever more rarely. The count lives in the engine because in row lock mode nothing the failed
+//! settlement wrote survives its rollback.
+//!
+//! Due times are clamped to [`clock::MAX_DUE_MS`] (9999-12-31), so
+//! `Outcome::RetryAfter(Duration::MAX)` parks a row instead of failing its settlement.
+//!
 //! # Time
 //! Due times and lease expiries come from the host's clock in unix milliseconds; lease expiries
 //! are whole seconds, so a time column without fractions fences exactly.
@@ -58,7 +74,7 @@ pub mod strategy;
 mod subscription;
 mod table;
 
-pub use broker::{Broker, Queue};
+pub use broker::{Broker, Queue, SETTLE_FAILURE_LIMIT};
 pub use delivery::{Delivery, Outcome};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use error::{Result, SqlxBrokerError};
@@ -67,7 +83,8 @@ pub use payload::Payload;
 pub use publish::{NewJob, Value};
 pub use strategy::{Backend, Capabilities, RowState};
 pub use subscription::{
-    BoxError, BoxFuture, HandlerResult, ShutdownReport, SubscribeOptions, Subscription,
+    BoxError, BoxFuture, HandlerResult, Health, MIN_POLL_INTERVAL, ShutdownReport,
+    SubscribeOptions, Subscription,
 };
 pub use table::{
     ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,

@@ -15,6 +15,7 @@ pub(crate) struct Metrics {
     pub(crate) panics: AtomicU64,
     pub(crate) claim_errors: AtomicU64,
     pub(crate) decode_errors: AtomicU64,
+    pub(crate) settle_failed: AtomicU64,
 }
 
 impl Metrics {
@@ -35,6 +36,7 @@ impl Metrics {
             panics: get(&self.panics),
             claim_errors: get(&self.claim_errors),
             decode_errors: get(&self.decode_errors),
+            settle_failed: get(&self.settle_failed),
         }
     }
 }
@@ -63,6 +65,10 @@ pub struct MetricsSnapshot {
     pub claim_errors: u64,
     /// Rows whose columns did not decode into the handler's type.
     pub decode_errors: u64,
+    /// Settlements whose statement failed (the row was released). A row whose settlement keeps
+    /// failing is backed off and, after three failures in a row, dead-lettered without running
+    /// its handler again (see the crate docs, "Settlements that fail").
+    pub settle_failed: u64,
 }
 
 /// Decrements `in_work` when a delivery leaves work, however it leaves.

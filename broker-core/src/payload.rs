@@ -18,6 +18,19 @@ where
     &'static str: ColumnIndex<R>,
 {
     fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        // SQLite decodes NULL as an empty string or zero where the other databases refuse it;
+        // refuse it on every database unless the payload type is an `Option`, which reads it
+        // as `None`. The type's name is the only way to tell without specialization.
+        if std::any::type_name::<P>().starts_with("core::option::Option<") {
+            return row.try_get(alias::PAYLOAD).map(Payload);
+        }
+        let raw = row.try_get_raw(alias::PAYLOAD)?;
+        if sqlx::ValueRef::is_null(&raw) {
+            return Err(sqlx::Error::ColumnDecode {
+                index: format!("{:?}", alias::PAYLOAD),
+                source: "the payload is NULL; read it as an Option to accept NULL payloads".into(),
+            });
+        }
         row.try_get(alias::PAYLOAD).map(Payload)
     }
 }

@@ -81,7 +81,7 @@ impl<P> NewJob<P> {
     }
     /// Not claimable before `at` (the table needs a due-time column).
     pub fn run_at(mut self, at: SystemTime) -> Self {
-        self.due_ms = Some(clock::to_ms(at));
+        self.due_ms = Some(clock::to_ms(at).min(clock::MAX_DUE_MS));
         self
     }
     /// Not claimable for `delay` from now (the table needs a due-time column).

@@ -304,6 +304,14 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// The pool the broker runs on.
     fn pool(&self) -> &Pool<Self::Db>;
 
+    /// Refuses names the database would not keep as written (e.g. longer than its identifier
+    /// limit), before DDL or preparation uses them. The broker runs it before
+    /// [`prepare`](Self::prepare) and before creating tables.
+    fn check_names(&self, table: &TableDescription) -> Result<()> {
+        let _ = table;
+        Ok(())
+    }
+
     /// Checks the server version, the table and its columns, and prepares every statement of
     /// the table's mode.
     fn prepare(

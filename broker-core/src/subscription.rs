@@ -5,8 +5,8 @@ use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use tracing::Instrument;
 
 use crate::broker::Queue;
 use crate::delivery::{Delivery, Outcome, renew_lease};
+use crate::error::SqlxBrokerError;
 use crate::metrics::{InWork, Metrics, MetricsSnapshot};
 use crate::strategy::Backend;
 use crate::table::{ClaimMode, TableDescription};
@@ -29,6 +30,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What a handler returns.
 pub type HandlerResult = Result<Outcome, BoxError>;
+
+/// The shortest [`SubscribeOptions::poll_interval`] accepted: an idle subscription claims at
+/// most 20 times a second.
+pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
 /// How a subscription runs.
 #[derive(Debug, Clone)]
@@ -70,9 +75,14 @@ impl SubscribeOptions {
         self.name = name.into();
         self
     }
-    /// How many deliveries may be in work at once (at least 1).
+    /// How many deliveries may be in work at once (at least 1; 0 is refused at subscribe).
+    ///
+    /// In row lock mode, and in advisory mode where keys are held on connections (PostgreSQL,
+    /// MySQL), every delivery in work holds a pool connection: a concurrency beyond what the
+    /// pool can serve is lowered at subscribe to three quarters of the pool (with a warning),
+    /// so the rest of the pool stays free for claims, publishes and settlements.
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.concurrency = n;
         self
     }
     /// The most rows one claim asks for (at least 1; default: the concurrency).
@@ -90,11 +100,15 @@ impl SubscribeOptions {
     ///   by side instead; they share candidate reads (a read returns a few times more rows than
     ///   it needs, kept briefly for the next claims).
     /// - Row lock mode claims one row per transaction, so its claims run side by side too.
+    ///
+    /// 0 is refused at subscribe.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = Some(n.max(1));
+        self.batch_size = Some(n);
         self
     }
-    /// How long an idle subscription waits before it looks again when nothing wakes it.
+    /// How long an idle subscription waits before it looks again when nothing wakes it (at
+    /// least [`MIN_POLL_INTERVAL`]; shorter is refused at subscribe, since an idle subscription
+    /// would then keep a core and the database busy with empty claims).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self
@@ -107,7 +121,8 @@ impl SubscribeOptions {
     }
     /// The delay before retrying a row whose handler failed or panicked: `base` doubled per
     /// attempt, at most `max`. Zero retries at once. Needs a due-time column; without one,
-    /// failed rows are retried at once.
+    /// failed rows are retried at once. A base above its maximum is refused at subscribe. Rows
+    /// whose settlement failed back off by it too (see the crate docs).
     pub fn error_backoff(mut self, base: Duration, max: Duration) -> Self {
         self.error_backoff = base;
         self.error_backoff_max = max;
@@ -115,10 +130,68 @@ impl SubscribeOptions {
     }
     /// How many claims may run at once (default: enough to fill every slot, `concurrency /
     /// batch_size` rounded up; in row lock and advisory modes, where each claim takes one row,
-    /// `concurrency`).
+    /// `concurrency`). 0 is refused at subscribe. Every claim in flight uses a pool connection,
+    /// so it is lowered to half the pool (with a warning) where it would ask for more.
     pub fn max_claims_in_flight(mut self, n: usize) -> Self {
-        self.max_claims_in_flight = Some(n.max(1));
+        self.max_claims_in_flight = Some(n);
         self
+    }
+
+    /// Refuses values the engine cannot run with, naming the option and what is accepted.
+    pub(crate) fn check(&self, table: &str) -> crate::Result<()> {
+        let refuse = |option, value: String, accepted, why| {
+            Err(SqlxBrokerError::InvalidOption {
+                table: table.to_owned(),
+                option,
+                value,
+                accepted,
+                why,
+            })
+        };
+        if self.concurrency == 0 {
+            return refuse(
+                "concurrency",
+                "0".into(),
+                "1 or more",
+                "a subscription with no delivery slot would never run a handler",
+            );
+        }
+        if self.batch_size == Some(0) {
+            return refuse(
+                "batch_size",
+                "0".into(),
+                "1 or more (or leave it unset for the concurrency)",
+                "a claim for no rows would never take one",
+            );
+        }
+        if self.max_claims_in_flight == Some(0) {
+            return refuse(
+                "max_claims_in_flight",
+                "0".into(),
+                "1 or more (or leave it unset)",
+                "with no claim allowed the subscription would never take a row",
+            );
+        }
+        if self.poll_interval < MIN_POLL_INTERVAL {
+            return refuse(
+                "poll_interval",
+                format!("{:?}", self.poll_interval),
+                "50ms or more",
+                "an idle subscription would keep a core and the database busy with empty claims",
+            );
+        }
+        if self.error_backoff > self.error_backoff_max {
+            return refuse(
+                "error_backoff",
+                format!(
+                    "{:?} up to {:?}",
+                    self.error_backoff, self.error_backoff_max
+                ),
+                "a base no larger than its maximum",
+                "the base delay would be cut to the maximum at once",
+            );
+        }
+        Ok(())
     }
 
     fn backoff(&self, attempt: i64) -> Duration {
@@ -170,6 +243,7 @@ pub struct ShutdownReport {
 /// background; [`shutdown`](Self::shutdown) waits for that.
 pub struct Subscription {
     stop: watch::Sender<bool>,
+    health: Arc<Mutex<Health>>,
     task: Option<tokio::task::JoinHandle<ShutdownReport>>,
     metrics: Arc<dyn Fn() -> MetricsSnapshot + Send + Sync>,
 }
@@ -186,6 +260,16 @@ impl Subscription {
     /// The counters of the subscription's queue.
     pub fn metrics(&self) -> MetricsSnapshot {
         (self.metrics)()
+    }
+
+    /// Whether the subscription's claims work now: a table the role cannot write, a dropped
+    /// table or a lost server shows here as claims failing in a row, with the last error, and
+    /// not only in the log. The engine keeps trying, backing off.
+    pub fn health(&self) -> Health {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Graceful shutdown: stops claiming, waits for handlers in work up to the shutdown
@@ -206,25 +290,118 @@ impl Drop for Subscription {
     }
 }
 
+/// What a subscription's claims look like now (see [`Subscription::health`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Health {
+    /// Claims that failed since the last one that worked.
+    pub claim_errors_in_a_row: u32,
+    /// The error of the last failed claim, while claims keep failing.
+    pub last_claim_error: Option<String>,
+}
+
+impl Health {
+    /// Whether the last claim worked.
+    pub fn is_healthy(&self) -> bool {
+        self.claim_errors_in_a_row == 0
+    }
+}
+
 pub(crate) fn start<B, T>(
     queue: Queue<B, T>,
-    options: SubscribeOptions,
+    mut options: SubscribeOptions,
     handler: Handler<B, T>,
-) -> Subscription
+) -> crate::Result<Subscription>
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
+    options.check(queue.inner.table.name())?;
+    fit_to_pool(&mut options, &queue);
     let (stop, stop_rx) = watch::channel(false);
     let metrics_queue = queue.clone();
     let metrics = Arc::new(move || metrics_queue.metrics());
-    let task = tokio::spawn(run(queue, options, handler, stop_rx));
-    Subscription {
+    let health = Arc::new(Mutex::new(Health::default()));
+    let task = tokio::spawn(run(queue, options, handler, stop_rx, health.clone()));
+    Ok(Subscription {
         stop,
+        health,
         task: Some(task),
         metrics,
+    })
+}
+
+/// The pool size the engine plans with.
+fn pool_size<B: Backend, T>(queue: &Queue<B, T>) -> usize {
+    usize::try_from(
+        queue
+            .inner
+            .broker
+            .backend
+            .pool()
+            .options()
+            .get_max_connections(),
+    )
+    .unwrap_or(usize::MAX)
+    .max(1)
+}
+
+/// The most claims in flight a pool of `pool` connections serves: each claim holds a connection
+/// while it runs, and the other half of the pool stays free for settlements and publishes.
+fn claims_for_pool(pool: usize) -> usize {
+    (pool / 2).max(1)
+}
+
+/// Lowers a concurrency the pool cannot serve where every delivery holds a connection (row lock,
+/// and advisory keys held on connections), and an explicit claim limit above what the pool
+/// serves, each with a warning. Beyond the pool, more workers only queue for connections: at
+/// concurrency 10,000 on a pool of 5, claims and settlements timed out by the hundred thousand
+/// and throughput fell below that of 8 workers.
+fn fit_to_pool<B: Backend, T>(options: &mut SubscribeOptions, queue: &Queue<B, T>) {
+    let pool = pool_size(queue);
+    let table = &queue.inner.table;
+    let holds_connection = match table.mode() {
+        ClaimMode::RowLock => true,
+        ClaimMode::Advisory => !queue.inner.broker.backend.capabilities().process_local_keys,
+        ClaimMode::Lease => false,
+    };
+    let most = (pool * 3 / 4).max(1);
+    if holds_connection && options.concurrency > most {
+        tracing::warn!(
+            table = table.name(),
+            asked = options.concurrency,
+            pool,
+            using = most,
+            "every delivery in work holds a pool connection in this mode; lowering the concurrency to three quarters of the pool (grow the pool for more)"
+        );
+        options.concurrency = most;
+    }
+    let claims = claims_for_pool(pool);
+    if let Some(n) = options.max_claims_in_flight
+        && n > claims
+    {
+        tracing::warn!(
+            table = table.name(),
+            asked = n,
+            pool,
+            using = claims,
+            "each claim in flight holds a pool connection; lowering max_claims_in_flight to half the pool"
+        );
+        options.max_claims_in_flight = Some(claims);
     }
 }
+
+/// The wait after `failures` claims failed in a row: the poll interval doubled per failure, at
+/// most [`CLAIM_BACKOFF_MAX`] (or the poll interval, if that is longer). A publish does not cut
+/// it short: a table that is gone would otherwise be claimed at every publish.
+fn claim_backoff(poll: Duration, failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(20);
+    poll.saturating_mul(1u32 << doublings)
+        .min(CLAIM_BACKOFF_MAX.max(poll))
+}
+
+/// The longest wait between failing claims.
+const CLAIM_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// What a claim task tells the loop as soon as its claim returns: what to do next, and the
 /// claimed rows beyond the first (the task runs the first itself) for the loop to start.
@@ -282,6 +459,8 @@ struct Engine<B: Backend, T> {
     /// free, and the wake-up the settlement sent may have gone to a claim that lost the row to
     /// it.
     freed: AtomicU64,
+    /// What [`Subscription::health`] reads; claims update it.
+    health: Arc<Mutex<Health>>,
     span: tracing::Span,
 }
 
@@ -290,6 +469,7 @@ async fn run<B, T>(
     options: SubscribeOptions,
     handler: Handler<B, T>,
     mut stop: watch::Receiver<bool>,
+    health: Arc<Mutex<Health>>,
 ) -> ShutdownReport
 where
     B: Backend,
@@ -324,6 +504,7 @@ where
             .concurrency
             .div_ceil(batch)
             .clamp(1, options.concurrency)
+            .min(claims_for_pool(pool_size(&queue)))
     });
     // Rows this subscription holds: in work, waiting for a slot, or asked for by a claim in
     // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode claims
@@ -355,6 +536,7 @@ where
         slots,
         wake: wake.clone(),
         freed: AtomicU64::new(0),
+        health,
         span: span.clone(),
     });
     // After a short claim the table looked drained: wait for a wake-up or the poll. Otherwise
@@ -371,9 +553,15 @@ where
             break;
         }
         if state == Next::Drained {
+            let failing = engine.claim_errors_in_a_row();
+            let wait = if failing > 0 {
+                claim_backoff(options.poll_interval, failing)
+            } else {
+                options.poll_interval
+            };
             tokio::select! {
-                _ = wake.notified() => {}
-                _ = tokio::time::sleep(options.poll_interval) => {}
+                _ = wake.notified(), if failing == 0 => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,
                 Some(report) = reports.recv() => {
@@ -445,7 +633,11 @@ where
 
     // Shutdown: claims in flight finish and their rows are handled like the rest; then handlers
     // get until the deadline.
-    let deadline = tokio::time::Instant::now() + options.shutdown_timeout;
+    let now = tokio::time::Instant::now();
+    // A deadline past what the clock can hold means no deadline.
+    let deadline = now
+        .checked_add(options.shutdown_timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
     while claims > 0 {
         let Some(report) = reports.recv().await else {
             break;
@@ -493,6 +685,7 @@ where
     ) -> (Next, Vec<(Delivery<B, T>, OwnedSemaphorePermit)>) {
         match result {
             Ok(deliveries) => {
+                self.set_health(None);
                 let asked = permits.num_permits();
                 let got = deliveries.len();
                 let rows = deliveries
@@ -513,10 +706,33 @@ where
             }
             Err(e) => {
                 Metrics::add(&self.queue.inner.metrics.claim_errors, 1);
-                tracing::warn!(parent: &self.span, error = %e, "claim failed; trying again after the poll interval");
+                let failing = self.set_health(Some(e.to_string()));
+                let wait = claim_backoff(self.options.poll_interval, failing);
+                tracing::warn!(parent: &self.span, error = %e, in_a_row = failing, ?wait, "claim failed; trying again after a backoff");
                 (Next::Drained, Vec::new())
             }
         }
+    }
+
+    /// Records a claim's result in the health state; returns the claims failed in a row.
+    fn set_health(&self, error: Option<String>) -> u32 {
+        let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        match error {
+            Some(e) => {
+                h.claim_errors_in_a_row = h.claim_errors_in_a_row.saturating_add(1);
+                h.last_claim_error = Some(e);
+            }
+            None if h.claim_errors_in_a_row == 0 => {}
+            None => *h = Health::default(),
+        }
+        h.claim_errors_in_a_row
+    }
+
+    fn claim_errors_in_a_row(&self) -> u32 {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .claim_errors_in_a_row
     }
 
     /// Starts a task for each row of a claim beyond its first (it waits for a slot, then runs
@@ -577,7 +793,19 @@ async fn work<B, T>(
             }
         }
     };
+    let failures = delivery.settle_failures();
     let running = async {
+        // A row whose last settlements failed waits before it runs again, holding its claim (so
+        // no other claim of this process or another takes it meanwhile), the longer the more
+        // failed: a settlement that always fails costs a few runs, never a loop. The wait is
+        // at least the claim backoff, whatever error_backoff says.
+        if failures > 0 {
+            let wait = options
+                .backoff(i64::from(failures))
+                .max(claim_backoff(options.poll_interval, failures));
+            tracing::debug!(parent: &span, failures, ?wait, "the last settlements of this row failed; backing off");
+            tokio::time::sleep(wait).await;
+        }
         let slot = engine
             .slots
             .clone()

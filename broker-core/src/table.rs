@@ -360,6 +360,38 @@ impl TableDescription {
         out.extend(self.columns.iter().map(|(c, _)| (c.as_str(), "column")));
         out
     }
+
+    /// Refuses a table, dead-letter table or column name longer than a database keeps.
+    /// `limit` counts what `len` measures (bytes on PostgreSQL, characters on MySQL). A name cut
+    /// short silently could become another name (with long names the dead-letter table was
+    /// the queue table itself), so it is refused before any statement uses it.
+    pub fn check_name_lengths(
+        &self,
+        database: &str,
+        limit: usize,
+        unit: &str,
+        len: impl Fn(&str) -> usize,
+    ) -> Result<()> {
+        let mut names = vec![("the table name".to_owned(), self.name.as_str())];
+        if let Some(DeadLetter::Table(d)) = &self.dead_letter {
+            names.push(("the dead-letter table name".to_owned(), d.as_str()));
+        }
+        for (c, role) in self.named_columns() {
+            names.push((format!("the {role} column name"), c));
+        }
+        for (what, name) in names {
+            let n = len(name);
+            if n > limit {
+                return Err(SqlxBrokerError::description(
+                    &self.name,
+                    format!(
+                        "{what} \"{name}\" is {n} {unit} long; {database} keeps at most {limit} (a longer name would be cut short and could become another one); use a shorter name"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Builds a [`TableDescription`]; see [`TableDescription::builder`].

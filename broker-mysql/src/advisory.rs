@@ -103,7 +103,10 @@ impl Drop for KeyLock {
 /// How a row is taken under its key.
 #[derive(Debug)]
 enum Take {
-    /// Count the attempt where the row is still claimable, then read it.
+    /// Read the row where it is still claimable, then count the attempt (under the same
+    /// condition). Reading first means a read that fails (a renamed column, a value that does
+    /// not convert) changes nothing: the take's update autocommits, so counting first spent an
+    /// attempt for every failed read and dead-lettered rows whose handler never ran.
     Update { update: Stmt, read: Stmt },
     /// FIFO tables: in one transaction, re-read the row under a lock (with the head condition),
     /// run the group guard, count the attempt. MySQL refuses the head subquery inside an
@@ -173,8 +176,10 @@ impl MySqlAdvisory {
                 .push(" AND ")
                 .append(&s.claimable)
                 .stmt("take"),
-                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(true), s.table))
+                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
                     .append(&by_id)
+                    .push(" AND ")
+                    .append(&s.claimable)
                     .stmt("take read"),
             },
             Some(guard) => Take::Locked {
@@ -305,23 +310,23 @@ impl MySqlAdvisory {
         };
         match &self.take {
             Take::Update { update, read } => {
+                let Some(row) = read
+                    .bind(&args)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(self.err(read.name))?
+                else {
+                    return Ok(None);
+                };
+                let row = claimed(&self.table, row, Some(key))?;
+                // The key lock keeps every other taker off the row, so the row read is the row
+                // counted; the condition repeats in case a settlement landed in between.
                 let done = update
                     .bind(&args)
                     .execute(&mut *conn)
                     .await
                     .map_err(self.err(update.name))?;
-                if done.rows_affected() != 1 {
-                    return Ok(None);
-                }
-                // The key lock keeps every other taker off the row, so this reads what the
-                // update left.
-                let row = read
-                    .bind(&args)
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(self.err(read.name))?;
-                row.map(|row| claimed(&self.table, row, Some(key)))
-                    .transpose()
+                Ok((done.rows_affected() == 1).then_some(row))
             }
             Take::Locked {
                 begin,

@@ -267,6 +267,12 @@ impl Backend for MySqlBackend {
         &self.pool
     }
 
+    fn check_names(&self, table: &TableDescription) -> Result<()> {
+        // MySQL and MariaDB refuse table and column names over 64 characters; refusing them here
+        // names the description instead of failing inside a statement.
+        table.check_name_lengths("MySQL / MariaDB", 64, "characters", |n| n.chars().count())
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let mut conn = Conn::acquire(&self.pool, table.name()).await?;
         let out = self.prepare_on(&mut conn, table).await;

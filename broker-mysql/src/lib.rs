@@ -28,7 +28,7 @@
 //!         println!("{}", job.payload().0);
 //!         Ok(Outcome::Ack)
 //!     })
-//! });
+//! })?;
 //! sub.shutdown().await;
 //! broker.close().await;
 //! # Ok(()) }

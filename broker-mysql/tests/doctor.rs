@@ -18,7 +18,7 @@ fn status(report: &DoctorReport, check: &str) -> Status {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_healthy_deployment_passes_every_check_in_every_mode() {
     for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
-        let fx = Fixture::<MySql>::new(mode, |b| b).await.unwrap();
+        let fx = Fixture::<MySql>::new(mode, |b| b).await;
         let report = fx
             .broker
             .doctor(&fx.table, &DoctorOptions::new().concurrency(4))
@@ -43,9 +43,7 @@ async fn a_healthy_deployment_passes_every_check_in_every_mode() {
 async fn a_missing_claim_index_and_a_small_pool_are_named_with_their_fixes() {
     // A table whose acks mark `processed_at` gets a claim index (otherwise the primary key is
     // the claim order).
-    let fx = Fixture::<MySql>::new(ClaimMode::RowLock, |b| b.processed_at("done_at"))
-        .await
-        .unwrap();
+    let fx = Fixture::<MySql>::new(ClaimMode::RowLock, |b| b.processed_at("done_at")).await;
     fx.broker
         .pool()
         .execute(AssertSqlSafe(format!(

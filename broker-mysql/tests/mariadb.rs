@@ -75,17 +75,19 @@ async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
     second.retry().await.unwrap();
     assert_nothing_held(&fx, &keys, "after settlement").await;
 
-    let sub = q.subscribe(
-        SubscribeOptions::new()
-            .concurrency(3)
-            .poll_interval(Duration::from_millis(50)),
-        |_job| {
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(3)
+                .poll_interval(Duration::from_millis(50)),
+            |_job| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until("every row acked", Duration::from_secs(20), || {
         let q = q.clone();
         async move { q.metrics().acked == 8 }

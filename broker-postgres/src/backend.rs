@@ -270,6 +270,11 @@ impl Backend for PgBackend {
         &self.pool
     }
 
+    fn check_names(&self, table: &TableDescription) -> Result<()> {
+        // NAMEDATALEN - 1: PostgreSQL cuts longer identifiers to 63 bytes with only a notice.
+        table.check_name_lengths("PostgreSQL", 63, "bytes", str::len)
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let pooled = self.detect_pooler(table.name()).await?;
         let prepared = !pooled;

@@ -29,7 +29,7 @@
 //!         println!("{}", job.payload().0);
 //!         Ok(Outcome::Ack)
 //!     })
-//! });
+//! })?;
 //! sub.shutdown().await;
 //! broker.close().await;
 //! # Ok(()) }

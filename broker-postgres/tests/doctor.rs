@@ -79,7 +79,7 @@ fn fix(report: &DoctorReport, check: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_healthy_deployment_passes_every_check_in_every_mode() {
     for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
-        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let fx = Fixture::<Pg>::new(mode, |b| b).await;
         let report = fx
             .broker
             .doctor(&fx.table, &DoctorOptions::new().concurrency(4))
@@ -103,7 +103,7 @@ async fn a_healthy_deployment_passes_every_check_in_every_mode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_timeout_that_cuts_row_lock_deliveries_is_named_with_its_fix() {
-    let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b).await.unwrap();
+    let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| b).await;
     let mut conn = PgConnection::connect(&fx.url).await.unwrap();
     let database = PgConnectOptions::from_str(&fx.url)
         .unwrap()
@@ -132,7 +132,7 @@ async fn a_timeout_that_cuts_row_lock_deliveries_is_named_with_its_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_missing_claim_index_is_named_with_the_statement_that_creates_it() {
-    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await;
     let index = format!("{}_claim", fx.table.name());
     fx.broker
         .pool()
@@ -157,7 +157,7 @@ async fn a_pool_that_cannot_hold_every_delivery_fails_in_the_modes_that_hold_con
         (ClaimMode::Advisory, Status::Fail),
         (ClaimMode::Lease, Status::Pass),
     ] {
-        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let fx = Fixture::<Pg>::new(mode, |b| b).await;
         let report = fx
             .broker
             .doctor(&fx.table, &DoctorOptions::new().concurrency(32))
@@ -176,7 +176,7 @@ async fn a_pool_that_cannot_hold_every_delivery_fails_in_the_modes_that_hold_con
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn behind_pgbouncer_in_transaction_mode_the_doctor_names_the_pooler_and_what_breaks() {
     for mode in [ClaimMode::Lease, ClaimMode::Advisory] {
-        let fx = Fixture::<Pg>::new(mode, |b| b).await.unwrap();
+        let fx = Fixture::<Pg>::new(mode, |b| b).await;
         let broker = through_pgbouncer(&fx).await;
         let report = broker.doctor(&fx.table, &DoctorOptions::new()).await;
         let pooler = report.check("pooler").unwrap();

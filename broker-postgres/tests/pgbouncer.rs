@@ -112,6 +112,15 @@ impl broker_testkit::TestDb for PgBouncer {
         }
     }
 
+    async fn execute(broker: &PgBroker, sql: &str) -> u64 {
+        // The simple protocol: one message, which the pooler passes through whole.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(broker.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
+    }
+
     async fn drop_database(url: &str) {
         common::drop_database(&direct(url)).await;
     }
@@ -184,9 +193,7 @@ async fn an_advisory_table_is_refused_with_the_pooler_message() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_queue_said_to_be_behind_a_pooler_prepares_without_the_check() {
-    let mut fx = Fixture::<PgBouncer>::new(ClaimMode::Lease, |b| b)
-        .await
-        .unwrap();
+    let mut fx = Fixture::<PgBouncer>::new(ClaimMode::Lease, |b| b).await;
     let pool = fx.broker.pool().clone();
     let broker = Broker::new(PgBackend::new(pool).behind_transaction_pooler());
     let q = broker

@@ -94,17 +94,19 @@ mod case {
         second.retry().await.unwrap();
         assert_nothing_held(&fx.broker, "after settlement").await;
 
-        let sub = q.subscribe(
-            SubscribeOptions::new()
-                .concurrency(3)
-                .poll_interval(Duration::from_millis(50)),
-            |_job| {
-                Box::pin(async move {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    Ok(Outcome::Ack)
-                })
-            },
-        );
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new()
+                    .concurrency(3)
+                    .poll_interval(Duration::from_millis(50)),
+                |_job| {
+                    Box::pin(async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok(Outcome::Ack)
+                    })
+                },
+            )
+            .expect("subscribe");
         wait_until("every row acked", Duration::from_secs(20), || {
             let q = q.clone();
             async move { q.metrics().acked == 8 }
@@ -215,10 +217,12 @@ mod case {
         // this subscription only through NOTIFY.
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
-        let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
-        );
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
+                |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+            )
+            .expect("subscribe");
         // Let the subscription find the table empty and go idle.
         tokio::time::sleep(Duration::from_millis(500)).await;
         elsewhere.publish(fx.job(0)).await.unwrap();
@@ -456,10 +460,12 @@ mod case {
         let q = fx.queue().await;
         let other = common::connect(&fx.url).await;
         let elsewhere = other.queue::<Job>(fx.table.clone()).await.unwrap();
-        let sub = q.subscribe(
-            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
-        );
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
+                |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+            )
+            .expect("subscribe");
         tokio::time::sleep(Duration::from_millis(500)).await;
         // Kill every session of the subscription's pool, the listener's among them.
         assert!(common::kill_connections(&fx.broker).await >= 1);

@@ -83,12 +83,14 @@ fn deaf_to_polls() -> SubscribeOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
-    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
     let elsewhere = fx.other_queue().await;
     let events = Log::default();
     let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
-    let sub = q.subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }));
+    let sub = q
+        .subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }))
+        .expect("subscribe");
     // Let the subscription find the table empty and go idle.
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -144,13 +146,15 @@ async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn publishes_in_callers_transactions_wake_another_process_when_they_commit() {
-    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await.unwrap();
+    let mut fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
     let elsewhere = fx.other_queue().await;
     let pool = elsewhere_pool(&fx).await;
     let events = Log::default();
     let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
-    let sub = q.subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }));
+    let sub = q
+        .subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }))
+        .expect("subscribe");
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Transactions that publish one after another, each committed at once: the first carries
     // the notification in its insert, the next ones within its window are covered by the

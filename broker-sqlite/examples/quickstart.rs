@@ -60,7 +60,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Ok(Outcome::Ack)
             })
         },
-    );
+    )?;
 
     let expected_dead = (0..JOBS).filter(|n| n % 50 == 7).count() as u64;
     let expected_acked = JOBS as u64 - expected_dead;

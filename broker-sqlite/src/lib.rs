@@ -27,7 +27,7 @@
 //!         println!("{}", job.payload().0);
 //!         Ok(Outcome::Ack)
 //!     })
-//! });
+//! })?;
 //! sub.shutdown().await;
 //! # Ok(()) }
 //! ```

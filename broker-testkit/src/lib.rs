@@ -69,6 +69,20 @@ macro_rules! conformance_suite {
             .await;
         }
         $( $crate::conformance_suite!(@mode $db; $mode; $server); )+
+        // Bad input and faults that are about no one mode (cases/hardening.rs).
+        mod hardening {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                a_batch_publish_with_a_poisoned_last_row_commits_nothing,
+                a_take_whose_read_fails_spends_no_attempt,
+                option_values_the_engine_cannot_run_with_are_refused,
+                claims_that_keep_failing_back_off_and_show_in_health,
+                names_longer_than_the_database_keeps_are_refused,
+                a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
+            );
+        }
+        $crate::conformance_suite!(@server_plain $db; $server);
     };
     (@mode $db:ty; $mode:ident; $server:ident) => {
         mod $mode {
@@ -98,6 +112,10 @@ macro_rules! conformance_suite {
                 a_row_that_does_not_decode_is_retried_not_lost,
                 identifiers_and_values_that_look_like_sql_round_trip,
                 a_table_with_only_the_required_columns_works,
+                a_retry_after_duration_max_parks_the_row_far_away,
+                a_settlement_that_always_fails_ends_in_the_dead_letters,
+                a_settlement_that_always_fails_without_dead_letters_backs_off,
+                concurrency_200_drains_like_8_on_the_default_pool,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_killed_worker_gives_its_rows_back() {
@@ -124,11 +142,15 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@plain $db; row_lock_handler_writes_commit_with_the_ack_only);
     };
     (@only $db:ty; lease) => {
-        $crate::conformance_suite!(@each $db; lease; a_stale_holder_cannot_renew);
+        $crate::conformance_suite!(@each $db; lease;
+            a_stale_holder_cannot_renew,
+            a_row_deleted_while_claimed_is_reported_gone,
+        );
         $crate::conformance_suite!(@fenced $db; lease);
     };
-    (@only $db:ty; $mode:ident) => {
-        $crate::conformance_suite!(@fenced $db; $mode);
+    (@only $db:ty; advisory) => {
+        $crate::conformance_suite!(@each $db; advisory; a_row_deleted_while_claimed_is_reported_gone);
+        $crate::conformance_suite!(@fenced $db; advisory);
     };
     (@fenced $db:ty; $mode:ident) => {
         $crate::conformance_suite!(@each $db; $mode;
@@ -145,6 +167,11 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@each $db; $mode; killed_connections_lose_nothing);
     };
     (@server $db:ty; $mode:ident; no) => {};
+    // Faults that need server connections and are about no one mode.
+    (@server_plain $db:ty; yes) => {
+        $crate::conformance_suite!(@plain $db; lease_settlements_survive_killed_connections_without_reruns);
+    };
+    (@server_plain $db:ty; no) => {};
     (@each $db:ty; $mode:ident; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -232,14 +232,16 @@ async fn latency(args: &Args, broker: &PgBroker, t: TableDescription) -> Result<
 async fn subscriber(url: &str, name: &str) -> Result<(), BoxError> {
     let broker = PgBackend::connect(url).await?;
     let queue = broker.queue::<Payload<String>>(table(name)).await?;
-    let sub = queue.subscribe(
-        SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-        |job| {
-            let sent: u128 = job.payload().0.parse().unwrap_or(0);
-            println!("{}", now_us().saturating_sub(sent));
-            Box::pin(async { Ok(Outcome::Ack) })
-        },
-    );
+    let sub = queue
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
+            |job| {
+                let sent: u128 = job.payload().0.parse().unwrap_or(0);
+                println!("{}", now_us().saturating_sub(sent));
+                Box::pin(async { Ok(Outcome::Ack) })
+            },
+        )
+        .expect("subscribe");
     // LISTEN runs before the first claim; give it a moment, then tell the parent.
     tokio::time::sleep(Duration::from_millis(300)).await;
     println!("ready");

@@ -71,24 +71,26 @@ async fn failing_first_attempt<D: TestDb>(mode: ClaimMode, panic: bool) {
     let id = fx.publish(&q, 1).await[0];
     let seen: Seen = Arc::default();
     let record = seen.clone();
-    let sub = q.subscribe(
-        SubscribeOptions::new()
-            .poll_interval(Duration::from_millis(50))
-            .error_backoff(Duration::ZERO, Duration::ZERO),
-        move |job| {
-            let record = record.clone();
-            Box::pin(async move {
-                record.lock().unwrap().push((job.id(), job.attempt()));
-                if job.attempt() == 1 {
-                    if panic {
-                        panic!("the handler panics on its first attempt");
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .poll_interval(Duration::from_millis(50))
+                .error_backoff(Duration::ZERO, Duration::ZERO),
+            move |job| {
+                let record = record.clone();
+                Box::pin(async move {
+                    record.lock().unwrap().push((job.id(), job.attempt()));
+                    if job.attempt() == 1 {
+                        if panic {
+                            panic!("the handler panics on its first attempt");
+                        }
+                        return Err("the handler fails on its first attempt".into());
                     }
-                    return Err("the handler fails on its first attempt".into());
-                }
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until(
         "the retried row to be acked",
         Duration::from_secs(10),

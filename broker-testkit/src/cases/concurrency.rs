@@ -58,6 +58,7 @@ fn subscribe_logged<D: TestDb>(
             })
         },
     )
+    .expect("subscribe")
 }
 
 async fn drain(log: &Shared, n: usize) {

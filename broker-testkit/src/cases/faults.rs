@@ -56,16 +56,18 @@ async fn child_worker<D: TestDb>(spec: &str) {
         .queue::<D::Job>(kill_table(table, mode))
         .await
         .expect("the child's queue");
-    let _sub = queue.subscribe(
-        SubscribeOptions::new().concurrency(4).batch_size(4),
-        |job| {
-            Box::pin(async move {
-                println!("STARTED {} {}", job.id(), job.attempt());
-                tokio::time::sleep(Duration::from_secs(300)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let _sub = queue
+        .subscribe(
+            SubscribeOptions::new().concurrency(4).batch_size(4),
+            |job| {
+                Box::pin(async move {
+                    println!("STARTED {} {}", job.id(), job.attempt());
+                    tokio::time::sleep(Duration::from_secs(300)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     tokio::time::sleep(Duration::from_secs(300)).await;
 }
 
@@ -256,6 +258,7 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
                 })
             },
         )
+        .expect("subscribe")
     };
     let s1 = subscribe(&q, 0);
     let mut terminated = 0;

@@ -19,17 +19,19 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
     let ids = fx.publish(&q, 24).await;
     let stopping = Arc::new(tokio::sync::Notify::new());
     let gate = stopping.clone();
-    let sub = q.subscribe(
-        SubscribeOptions::new().concurrency(3).batch_size(3),
-        move |_job| {
-            let gate = gate.clone();
-            Box::pin(async move {
-                // Held until the shutdown begins (bounded, should the notification be missed).
-                let _ = tokio::time::timeout(Duration::from_secs(30), gate.notified()).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().concurrency(3).batch_size(3),
+            move |_job| {
+                let gate = gate.clone();
+                Box::pin(async move {
+                    // Held until the shutdown begins (bounded, should the notification be missed).
+                    let _ = tokio::time::timeout(Duration::from_secs(30), gate.notified()).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until("three handlers in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 3 }
@@ -104,17 +106,19 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     fx.publish(&q, 2).await;
-    let sub = q.subscribe(
-        SubscribeOptions::new()
-            .concurrency(2)
-            .shutdown_timeout(Duration::from_millis(300)),
-        |_job| {
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_secs(120)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(2)
+                .shutdown_timeout(Duration::from_millis(300)),
+            |_job| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_secs(120)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until("two handlers in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 2 }
@@ -181,10 +185,12 @@ pub async fn a_settlement_after_close_is_refused<D: TestDb>() {
 pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
     let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
     let q = fx.queue().await;
-    let sub = q.subscribe(
-        SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-        |_job| Box::pin(async move { Ok(Outcome::Ack) }),
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
+            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+        )
+        .expect("subscribe");
     tokio::time::sleep(Duration::from_millis(300)).await;
     fx.publish(&q, 1).await;
     // The poll comes once an hour: an ack within the bounded wait can only come from the wake.

@@ -21,9 +21,7 @@ const KILLS: usize = 8;
 /// acks cut by a kill ran again on fresh connections before their leases ran out), and the
 /// subscription keeps going on its own. Only for databases with server connections.
 pub async fn lease_settlements_survive_killed_connections_without_reruns<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(4))
-        .await
-        .expect("lease mode is offered");
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b.lease_seconds(4)).await;
     let database = fx.broker.backend().capabilities().database;
     let q = fx.queue().await;
     let ids = fx.publish(&q, ROWS).await;
@@ -32,19 +30,21 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
     let runs: Arc<Mutex<HashMap<i64, usize>>> = Arc::default();
     let seen = runs.clone();
     let started = Instant::now();
-    let sub = q.subscribe(
-        SubscribeOptions::new()
-            .concurrency(8)
-            .poll_interval(Duration::from_millis(100)),
-        move |job| {
-            *seen.lock().unwrap().entry(job.id()).or_default() += 1;
-            Box::pin(async move {
-                // Long enough that kills find deliveries in work and settling.
-                tokio::time::sleep(Duration::from_millis(3)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(8)
+                .poll_interval(Duration::from_millis(100)),
+            move |job| {
+                *seen.lock().unwrap().entry(job.id()).or_default() += 1;
+                Box::pin(async move {
+                    // Long enough that kills find deliveries in work and settling.
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     let ran = |runs: &Arc<Mutex<HashMap<i64, usize>>>| runs.lock().unwrap().len();
     let mut killed = 0;
     for k in 1..=KILLS {

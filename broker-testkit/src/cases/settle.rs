@@ -185,12 +185,14 @@ pub async fn renewal_keeps_a_handler_that_runs_three_leases<D: TestDb>() {
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let id = fx.publish(&q, 1).await[0];
-    let sub = q.subscribe(SubscribeOptions::new(), |_job| {
-        Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(3200)).await;
-            Ok(Outcome::Ack)
+    let sub = q
+        .subscribe(SubscribeOptions::new(), |_job| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(3200)).await;
+                Ok(Outcome::Ack)
+            })
         })
-    });
+        .expect("subscribe");
     wait_until("the long handler in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 1 }
@@ -231,15 +233,17 @@ pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
     let q = fx.queue().await;
     let other = fx.other_queue().await;
     let ids = fx.publish(&q, 3).await;
-    let sub = q.subscribe(
-        SubscribeOptions::new().concurrency(1).batch_size(3),
-        |_job| {
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_millis(1100)).await;
-                Ok(Outcome::Ack)
-            })
-        },
-    );
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().concurrency(1).batch_size(3),
+            |_job| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(1100)).await;
+                    Ok(Outcome::Ack)
+                })
+            },
+        )
+        .expect("subscribe");
     wait_until("the first handler in work", Duration::from_secs(10), || {
         let q = q.clone();
         async move { q.metrics().in_work == 1 }

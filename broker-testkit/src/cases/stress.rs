@@ -136,58 +136,60 @@ impl Sink {
 /// One broker of a stress run, with random (but per-delivery deterministic) outcomes: ack,
 /// retry, delayed retry, error, panic, dead letter.
 fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sink) -> Subscription {
-    queue.subscribe(
-        SubscribeOptions::new()
-            .name(format!("stress-{index}"))
-            .concurrency(CONCURRENCY)
-            .batch_size(CONCURRENCY)
-            .poll_interval(Duration::from_millis(100))
-            .shutdown_timeout(Duration::from_secs(10))
-            .error_backoff(Duration::ZERO, Duration::ZERO),
-        move |job| {
-            let sink = sink.clone();
-            Box::pin(async move {
-                let i: usize = job.payload().text()["job-".len()..]
-                    .parse()
-                    .expect("a stress payload");
-                let at = sink.start(
-                    index,
-                    job.id(),
-                    job.attempt(),
-                    job.key(),
-                    group_of(i),
-                    job.lease_expires_ms(),
-                );
-                let roll = mix(job.id(), job.attempt()) % 100;
-                // Some handlers take a moment, so faults find deliveries in work; in a child,
-                // which is killed only while it has a handler running, a longer one.
-                match roll % 5 {
-                    0 if matches!(sink, Sink::Stdout(_)) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+    queue
+        .subscribe(
+            SubscribeOptions::new()
+                .name(format!("stress-{index}"))
+                .concurrency(CONCURRENCY)
+                .batch_size(CONCURRENCY)
+                .poll_interval(Duration::from_millis(100))
+                .shutdown_timeout(Duration::from_secs(10))
+                .error_backoff(Duration::ZERO, Duration::ZERO),
+            move |job| {
+                let sink = sink.clone();
+                Box::pin(async move {
+                    let i: usize = job.payload().text()["job-".len()..]
+                        .parse()
+                        .expect("a stress payload");
+                    let at = sink.start(
+                        index,
+                        job.id(),
+                        job.attempt(),
+                        job.key(),
+                        group_of(i),
+                        job.lease_expires_ms(),
+                    );
+                    let roll = mix(job.id(), job.attempt()) % 100;
+                    // Some handlers take a moment, so faults find deliveries in work; in a child,
+                    // which is killed only while it has a handler running, a longer one.
+                    match roll % 5 {
+                        0 if matches!(sink, Sink::Stdout(_)) => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        0 => tokio::time::sleep(Duration::from_millis(2)).await,
+                        1 => tokio::task::yield_now().await,
+                        _ => {}
                     }
-                    0 => tokio::time::sleep(Duration::from_millis(2)).await,
-                    1 => tokio::task::yield_now().await,
-                    _ => {}
-                }
-                let (recorded, result) = match roll {
-                    0..70 => (Recorded::Ack, Ok(Outcome::Ack)),
-                    70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
-                    78..84 => (
-                        Recorded::RetryAfter,
-                        Ok(Outcome::RetryAfter(Duration::from_millis(20))),
-                    ),
-                    84..92 => (Recorded::Error, Err("a random handler error".into())),
-                    92..96 => {
-                        sink.finish(at, Recorded::Panic);
-                        std::panic::panic_any(DELIBERATE_PANIC);
-                    }
-                    _ => (Recorded::DeadLetter, Ok(Outcome::DeadLetter)),
-                };
-                sink.finish(at, recorded);
-                result
-            })
-        },
-    )
+                    let (recorded, result) = match roll {
+                        0..70 => (Recorded::Ack, Ok(Outcome::Ack)),
+                        70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
+                        78..84 => (
+                            Recorded::RetryAfter,
+                            Ok(Outcome::RetryAfter(Duration::from_millis(20))),
+                        ),
+                        84..92 => (Recorded::Error, Err("a random handler error".into())),
+                        92..96 => {
+                            sink.finish(at, Recorded::Panic);
+                            std::panic::panic_any(DELIBERATE_PANIC);
+                        }
+                        _ => (Recorded::DeadLetter, Ok(Outcome::DeadLetter)),
+                    };
+                    sink.finish(at, recorded);
+                    result
+                })
+            },
+        )
+        .expect("subscribe")
 }
 
 /// A stress broker in a child process: its reports go into the history as they come.
