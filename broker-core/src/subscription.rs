@@ -392,8 +392,8 @@ fn fit_to_pool<B: Backend, T>(options: &mut SubscribeOptions, queue: &Queue<B, T
 }
 
 /// The wait after `failures` claims failed in a row: the poll interval doubled per failure, at
-/// most [`CLAIM_BACKOFF_MAX`] (or the poll interval, if that is longer). A publish does not cut
-/// it short: a table that is gone would otherwise be claimed at every publish.
+/// most [`CLAIM_BACKOFF_MAX`] (or the poll interval, if that is longer). A wake-up from a
+/// publish or settlement still cuts it short (those need a working database).
 fn claim_backoff(poll: Duration, failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(20);
     poll.saturating_mul(1u32 << doublings)
@@ -560,7 +560,10 @@ where
                 options.poll_interval
             };
             tokio::select! {
-                _ = wake.notified(), if failing == 0 => {}
+                // A wake-up (a publish, a settlement) cuts a backoff short too: it means the
+                // database took a write just now, and without one a backoff is never longer
+                // than the poll interval was.
+                _ = wake.notified() => {}
                 _ = tokio::time::sleep(wait) => {}
                 _ = stop.changed() => continue,
                 _ = broker_stop.changed() => continue,

@@ -129,6 +129,11 @@ async fn publish_own_keys<D: TestDb>(
     q.publish_batch(&jobs).await.expect("publish")
 }
 
+/// A plain lease table: every backend offers lease mode.
+async fn lease_fixture<D: TestDb>() -> Fixture<D> {
+    Fixture::<D>::new(ClaimMode::Lease, |b| b).await
+}
+
 fn quoted<D: TestDb>(broker: &Broker<D::B>, name: &str) -> String {
     match dialect::<D>(broker) {
         Dialect::MySql => format!("`{name}`"),
@@ -252,7 +257,7 @@ pub async fn a_batch_publish_with_a_poisoned_last_row_commits_nothing<D: TestDb>
 where
     for<'c> &'c mut <DbOf<D> as Database>::Connection: Executor<'c, Database = DbOf<D>>,
 {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let fx = lease_fixture::<D>().await;
     refuse_poison::<D>(&fx.broker, fx.table.name()).await;
     let q = fx.queue().await;
     // More rows than any backend writes in one statement.
@@ -317,7 +322,7 @@ where
 /// and what is accepted: no slot, no batch, no claim, a poll that would spin, a backoff whose
 /// base passes its maximum.
 pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let fx = lease_fixture::<D>().await;
     let q = fx.queue().await;
     let o = SubscribeOptions::new;
     let cases = [
@@ -368,7 +373,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
 /// and show in the subscription's health with the error, not only in the log; the health
 /// clears when claims work again.
 pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let fx = lease_fixture::<D>().await;
     let q = fx.queue().await;
     let sub = q
         .subscribe(
@@ -489,7 +494,7 @@ where
     String: for<'r> sqlx::Decode<'r, DbOf<D>> + sqlx::Type<DbOf<D>>,
     for<'a> &'a str: sqlx::ColumnIndex<<DbOf<D> as Database>::Row>,
 {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let fx = lease_fixture::<D>().await;
     let t = quoted::<D>(&fx.broker, fx.table.name());
     exec::<D>(
         &fx.broker,
