@@ -47,7 +47,10 @@ fn claim(c: &mut Criterion) {
             } else {
                 u64::try_from((scenario.workers * scenario.batch).max(16)).unwrap_or(16)
             };
-            for (name, side) in [("engine", Side::Engine), ("raw", Side::Raw)] {
+            for (name, side) in [
+                ("engine", Side::Engine),
+                ("hand-written", Side::HandWritten),
+            ] {
                 group.bench_function(name, |b| {
                     b.iter_custom(|iters| {
                         let limits = RunLimits {

@@ -3,40 +3,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use broker_core::ClaimMode;
+use clap::Parser;
+
 use crate::scenario::{Db, Filter, parse_mode};
-
-/// The command line's help.
-pub const USAGE: &str = "\
-usage: cargo run -p benches --release -- [options]
-
-Claim + ack throughput of the engine vs a raw loop over the same statements, for every mode on
-every database, plus publish throughput and publish-to-handler latency. Prints a markdown table
-and writes benches/results/<quick|full>.md and .svg (<profile>-partial.* when filtered).
-
-options:
-  --quick               a short run (about a minute and a half on 2 cores)
-  --full                the long default run (3,000 rows, 3 repetitions, median reported;
-                        about 25 minutes on 2 cores)
-  --db LIST             databases: sqlite,postgres,mariadb (default: all)
-  --mode LIST           claim modes: rowlock,lease,advisory (default: all)
-  --workers LIST        worker counts of plain tables (default: 1,4,8)
-  --batch LIST          batch sizes of plain tables (default: 1,16)
-  --fifo-groups LIST    FIFO group counts, or none (default: 1,64)
-  --fifo-workers N      workers of FIFO runs (default: 4)
-  --no-plain            run FIFO tables only
-  --parts LIST          claims,publish,latency (default: all)
-  --rows N              rows per run
-  --reps N              repetitions per scenario and side
-  --cap SECS            time cap per run (fractions allowed)
-  --out DIR             where to write results (default: benches/results)
-  --no-write            print only
-  -h, --help            this help
-
-environment:
-  SQLX_BROKER_PG_URL     default postgres://postgres@127.0.0.1:5432/test
-  SQLX_BROKER_MYSQL_URL  default mysql://root@127.0.0.1:3306/test
-
-A database that is selected but unreachable fails the run; leave it out with --db.";
 
 /// Sizes of one kind of run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +51,7 @@ impl Profile {
     pub fn full() -> Self {
         Self {
             name: "full",
-            rows: 3000,
+            rows: 1500,
             reps: 3,
             cap: Duration::from_secs(15),
             publish_single: 3000,
@@ -115,145 +85,192 @@ pub struct Options {
     pub filtered: bool,
     /// What to measure.
     pub parts: Parts,
+    /// Whether ruststream-sqlx runs beside the scenarios it covers.
+    pub peer: bool,
+    /// Whether plain tables also run the strategy loop (the engine's statements without its
+    /// scheduling) besides the hand-written loop.
+    pub strategy_loop: bool,
     /// Where to write results; `None` prints only.
     pub out: Option<PathBuf>,
-    /// Print the help.
-    pub help: bool,
 }
 
-fn list<T>(value: &str, what: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, String> {
-    value
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| parse(s).ok_or_else(|| format!("{what}: \"{s}\" is not one I know")))
-        .collect()
+/// Claim + ack throughput of sqlx-broker against a hand-written sqlx loop per mode (and
+/// ruststream-sqlx on PostgreSQL row lock and lease), for every mode on every database, plus
+/// publish throughput and publish-to-handler latency. Prints a markdown table and writes
+/// benches/results/<quick|full>.md and .svg (<profile>-partial.* when filtered).
+///
+/// PostgreSQL and MariaDB are found at SQLX_BROKER_PG_URL (default
+/// postgres://postgres@127.0.0.1:5432/test) and SQLX_BROKER_MYSQL_URL (default
+/// mysql://root@127.0.0.1:3306/test); a selected database that is unreachable fails the run,
+/// leave it out with --db.
+#[derive(Debug, Parser)]
+#[command(name = "benches")]
+pub struct Args {
+    /// A short run (about two minutes on 2 cores).
+    #[arg(long, conflicts_with = "full")]
+    pub quick: bool,
+    /// The long default run (1,500 rows, 3 repetitions, median reported; about 12 minutes).
+    #[arg(long)]
+    pub full: bool,
+    /// Databases.
+    #[arg(long, value_delimiter = ',', value_parser = parse_db)]
+    pub db: Option<Vec<Db>>,
+    /// Claim modes: rowlock, lease, advisory.
+    #[arg(long, value_delimiter = ',', value_parser = parse_claim_mode)]
+    pub mode: Option<Vec<ClaimMode>>,
+    /// Worker counts of plain tables (default 1,4,8).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..))]
+    pub workers: Option<Vec<u16>>,
+    /// Batch sizes of plain tables (default 1,16).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..))]
+    pub batch: Option<Vec<u16>>,
+    /// FIFO group counts, or "none" (default 1,64).
+    #[arg(long, value_parser = parse_groups)]
+    pub fifo_groups: Option<FifoGroups>,
+    /// Workers of FIFO runs (default 4).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub fifo_workers: Option<u16>,
+    /// Run FIFO tables only.
+    #[arg(long)]
+    pub no_plain: bool,
+    /// What to measure: claims, publish, latency (default all).
+    #[arg(long, value_delimiter = ',', value_parser = ["claims", "publish", "latency"])]
+    pub parts: Option<Vec<String>>,
+    /// Rows per run.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub rows: Option<u64>,
+    /// Repetitions per scenario and side.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub reps: Option<u16>,
+    /// Time cap per run, in seconds (fractions allowed).
+    #[arg(long, value_parser = parse_seconds)]
+    pub cap: Option<Duration>,
+    /// Leave ruststream-sqlx out.
+    #[arg(long)]
+    pub no_peer: bool,
+    /// Also run the strategy loop on plain tables (the engine's own statements from plain
+    /// tasks: what the engine's scheduling costs, apart from its statements).
+    #[arg(long)]
+    pub strategy_loop: bool,
+    /// Where to write results.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
+    pub out: PathBuf,
+    /// Print only.
+    #[arg(long)]
+    pub no_write: bool,
 }
 
-fn number(s: &str) -> Option<usize> {
-    s.trim().parse().ok().filter(|&n| n > 0)
+/// FIFO group counts from the command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FifoGroups(pub Vec<usize>);
+
+fn parse_db(s: &str) -> Result<Db, String> {
+    Db::parse(s).ok_or_else(|| format!("\"{s}\" is not one of sqlite, postgres, mariadb"))
 }
 
-impl Options {
-    /// Parses the arguments after the program name.
-    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Options, String> {
-        let mut args = args.into_iter();
-        let mut quick = false;
+fn parse_claim_mode(s: &str) -> Result<ClaimMode, String> {
+    parse_mode(s).ok_or_else(|| format!("\"{s}\" is not one of rowlock, lease, advisory"))
+}
+
+fn parse_groups(s: &str) -> Result<FifoGroups, String> {
+    if s == "none" {
+        return Ok(FifoGroups(Vec::new()));
+    }
+    s.split(',')
+        .map(|g| {
+            g.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("\"{g}\" is not a positive number of groups (or use none)"))
+        })
+        .collect::<Result<_, _>>()
+        .map(FifoGroups)
+}
+
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| format!("\"{s}\" is not a positive number of seconds"))
+}
+
+impl From<Args> for Options {
+    fn from(a: Args) -> Options {
         let mut filter = Filter::default();
-        let mut parts = Parts {
-            claims: true,
-            publish: true,
-            latency: true,
+        if let Some(dbs) = a.db {
+            filter.dbs = dbs;
+        }
+        if let Some(modes) = a.mode {
+            filter.modes = modes;
+        }
+        if let Some(w) = a.workers {
+            filter.workers = w.into_iter().map(usize::from).collect();
+        }
+        if let Some(b) = a.batch {
+            filter.batches = b.into_iter().map(usize::from).collect();
+        }
+        if let Some(FifoGroups(g)) = a.fifo_groups {
+            filter.fifo_groups = g;
+        }
+        if let Some(w) = a.fifo_workers {
+            filter.fifo_workers = usize::from(w);
+        }
+        filter.plain = !a.no_plain;
+        let parts = match &a.parts {
+            None => Parts {
+                claims: true,
+                publish: true,
+                latency: true,
+            },
+            Some(names) => Parts {
+                claims: names.iter().any(|n| n == "claims"),
+                publish: names.iter().any(|n| n == "publish"),
+                latency: names.iter().any(|n| n == "latency"),
+            },
         };
-        let (mut rows, mut reps, mut cap) = (None, None, None);
-        let mut out = Some(PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/results"
-        )));
-        let mut help = false;
-        while let Some(arg) = args.next() {
-            let (flag, inline) = match arg.split_once('=') {
-                Some((f, v)) if f.starts_with("--") => (f.to_owned(), Some(v.to_owned())),
-                _ => (arg.clone(), None),
-            };
-            let mut value = || {
-                inline
-                    .clone()
-                    .or_else(|| args.next())
-                    .ok_or_else(|| format!("{flag} needs a value"))
-            };
-            match flag.as_str() {
-                "--quick" => quick = true,
-                "--full" => quick = false,
-                "--db" => filter.dbs = list(&value()?, "--db", Db::parse)?,
-                "--mode" => filter.modes = list(&value()?, "--mode", parse_mode)?,
-                "--workers" => filter.workers = list(&value()?, "--workers", number)?,
-                "--batch" => filter.batches = list(&value()?, "--batch", number)?,
-                "--fifo-groups" => {
-                    let v = value()?;
-                    filter.fifo_groups = if v == "none" {
-                        Vec::new()
-                    } else {
-                        list(&v, "--fifo-groups", number)?
-                    };
-                }
-                "--fifo-workers" => {
-                    filter.fifo_workers =
-                        number(&value()?).ok_or("--fifo-workers needs a positive number")?;
-                }
-                "--no-plain" => filter.plain = false,
-                "--parts" => {
-                    let v = value()?;
-                    let names = list(&v, "--parts", |s| {
-                        ["claims", "publish", "latency"]
-                            .contains(&s.trim())
-                            .then(|| s.trim().to_owned())
-                    })?;
-                    parts = Parts {
-                        claims: names.iter().any(|n| n == "claims"),
-                        publish: names.iter().any(|n| n == "publish"),
-                        latency: names.iter().any(|n| n == "latency"),
-                    };
-                }
-                "--rows" => {
-                    let n = number(&value()?).ok_or("--rows needs a positive number")?;
-                    rows = Some(u64::try_from(n).map_err(|e| e.to_string())?);
-                }
-                "--reps" => reps = Some(number(&value()?).ok_or("--reps needs a positive number")?),
-                "--cap" => {
-                    let secs = value()?
-                        .trim()
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|s| s.is_finite() && *s > 0.0)
-                        .ok_or("--cap needs a positive number of seconds")?;
-                    cap = Some(Duration::from_secs_f64(secs));
-                }
-                "--out" => out = Some(PathBuf::from(value()?)),
-                "--no-write" => out = None,
-                "-h" | "--help" => help = true,
-                other => return Err(format!("unknown option {other}")),
-            }
-        }
-        if filter.dbs.is_empty() {
-            return Err("--db selects no database".into());
-        }
-        let mut profile = if quick {
+        let mut profile = if a.quick {
             Profile::quick()
         } else {
             Profile::full()
         };
-        if let Some(r) = rows {
+        if let Some(r) = a.rows {
             profile.rows = r;
         }
-        if let Some(r) = reps {
-            profile.reps = r;
+        if let Some(r) = a.reps {
+            profile.reps = usize::from(r);
         }
-        if let Some(c) = cap {
+        if let Some(c) = a.cap {
             profile.cap = c;
         }
-        let all = Parts {
-            claims: true,
-            publish: true,
-            latency: true,
-        };
-        let filtered = filter != Filter::default() || parts != all;
-        Ok(Options {
+        let filtered = filter != Filter::default() || a.parts.is_some();
+        Options {
             profile,
             filter,
             filtered,
             parts,
-            out,
-            help,
-        })
+            peer: !a.no_peer,
+            strategy_loop: a.strategy_loop,
+            out: (!a.no_write).then_some(a.out),
+        }
+    }
+}
+
+impl Options {
+    /// Parses the arguments after the program name (clap's errors and help as `Err`).
+    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Options, clap::Error> {
+        let args = std::iter::once("benches".to_owned()).chain(args);
+        Ok(Args::try_parse_from(args)?.into())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use broker_core::ClaimMode;
 
-    fn parse(args: &[&str]) -> Result<Options, String> {
+    fn parse(args: &[&str]) -> Result<Options, clap::Error> {
         Options::parse(args.iter().map(|s| (*s).to_owned()))
     }
 
@@ -273,8 +290,14 @@ mod tests {
 
     #[test]
     fn an_unknown_name_is_an_error() {
-        assert!(parse(&["--db", "oracle"]).unwrap_err().contains("oracle"));
+        assert!(
+            parse(&["--db", "oracle"])
+                .unwrap_err()
+                .to_string()
+                .contains("oracle")
+        );
         assert!(parse(&["--bogus"]).is_err());
-        assert!(parse(&["--rows"]).unwrap_err().contains("needs a value"));
+        assert!(parse(&["--rows"]).is_err());
+        assert!(parse(&["--rows", "0"]).is_err());
     }
 }

@@ -1,5 +1,6 @@
-//! Draining a filled table: by the engine (a subscription) and by the raw loop (plain tokio
-//! tasks driving the backend's own strategy objects), timed the same way.
+//! Draining a filled table: by the engine (a subscription), and by loop sides (plain tokio tasks:
+//! the hand-written loop of [`handwritten`](crate::handwritten), or the strategy loop below),
+//! timed the same way.
 //!
 //! # How a run is timed
 //! The first rows of a run are a warm-up (connections opened, statements prepared, the engine's
@@ -9,10 +10,10 @@
 //! acks (a stall) and, for the engine, the mean number of deliveries in work. A run that passes
 //! its time cap stops there and reports the rate it had (marked capped).
 //!
-//! # The raw loop
+//! # The strategy loop
 //! N tokio tasks, each: claim (up to the batch size), then settle each row in turn with an ack,
 //! using the same [`Prepared`] strategy objects the engine uses, so the statements are the ones
-//! the engine runs. Per mode:
+//! the engine runs (the baseline of FIFO tables, which have no hand-written loop). Per mode:
 //! - row lock: `claim(now)` → `settle(tx, ..)` with the attempt as read;
 //! - lease: `claim(batch, now, expiry)` → `settle(token, ..)` per row, attempt + 1;
 //! - advisory: `candidates(max(4 × batch, 16))`, then per candidate until `batch` rows are done:
@@ -37,7 +38,11 @@ use broker_core::{
     TableDescription, clock,
 };
 use sqlx::{Database, FromRow};
+use std::future::Future;
+use std::pin::Pin;
+
 use tokio::sync::Notify;
+use tokio::sync::futures::Notified;
 
 use crate::BoxError;
 use crate::scenario::Scenario;
@@ -234,6 +239,16 @@ async fn watch(
     }
 }
 
+/// Times a side whose acks `read` counts (see [`watch`]).
+pub async fn watch_count(limits: RunLimits, read: impl Fn() -> u64) -> RunResult {
+    watch(limits, None, false, || Progress {
+        acked: read(),
+        in_work: 0,
+        failed: false,
+    })
+    .await
+}
+
 /// The engine side: subscribes with `concurrency(workers)` and `batch_size(batch)` and an
 /// instant-ack handler, and times it until the table's rows are acked.
 pub async fn engine_run<B: Backend>(
@@ -277,9 +292,9 @@ where
     Ok(result)
 }
 
-/// State the raw loop's tasks share.
+/// State the tasks of a loop side (the hand-written loop or the strategy loop) share.
 #[derive(Debug, Default)]
-struct RawShared {
+pub struct LoopShared {
     total: u64,
     acked: AtomicU64,
     stop: AtomicBool,
@@ -290,55 +305,96 @@ struct RawShared {
     keys: Mutex<HashSet<String>>,
 }
 
-impl RawShared {
-    fn finished(&self) -> bool {
+impl LoopShared {
+    /// Whether the run is over (every row acked, or stopped).
+    pub fn finished(&self) -> bool {
         self.stop.load(Ordering::Relaxed) || self.acked.load(Ordering::Relaxed) >= self.total
     }
 
-    fn acked_one(&self) {
+    /// Counts one acked row and wakes idle tasks.
+    pub fn acked_one(&self) {
         self.acked.fetch_add(1, Ordering::Relaxed);
         self.settled.notify_waiters();
     }
 
-    fn reserve(&self, key: &str) -> bool {
+    /// Counts a fenced ack: exactly one row must have changed, or the lease was lost, which no
+    /// run without failures may see.
+    pub fn fenced(&self, id: i64, changed: u64) -> Result<(), BoxError> {
+        if changed != 1 {
+            return Err(format!("row {id}: the lease was lost before its ack").into());
+        }
+        self.acked_one();
+        Ok(())
+    }
+
+    /// Takes an in-process key; `false` when another task holds it.
+    pub fn reserve(&self, key: &str) -> bool {
         self.keys
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key.to_owned())
     }
 
-    fn release(&self, key: &str) {
+    /// Frees an in-process key.
+    pub fn release(&self, key: &str) {
         self.keys
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(key);
     }
+
+    /// The signal [`idle`](Self::idle) waits for; take it (pinned and enabled) before a claim,
+    /// so a settlement during the claim is not missed.
+    pub fn idle_signal(&self) -> Notified<'_> {
+        self.settled.notified()
+    }
+
+    /// After an empty claim: waits until another task settles a row, or a short while.
+    pub async fn idle(&self, signal: Pin<&mut Notified<'_>>) {
+        if self.finished() {
+            return;
+        }
+        tokio::select! {
+            () = signal => {}
+            () = tokio::time::sleep(EMPTY_WAIT) => {}
+        }
+    }
 }
 
-/// The raw side: `workers` tokio tasks drive `prepared` (see the module docs), timed until the
-/// table's rows are acked.
-pub async fn raw_run<B: Backend>(
-    prepared: Arc<Prepared<B>>,
-    table: &TableDescription,
+/// Runs a loop side: `scenario.workers` tasks, each the future `worker` makes, timed until the
+/// table's rows are acked (see [`watch`]); the first task error fails the run.
+pub async fn run_loop<F, Fut>(
+    scenario: &Scenario,
+    limits: RunLimits,
+    worker: F,
+) -> Result<RunResult, BoxError>
+where
+    F: Fn(Arc<LoopShared>) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    run_loop_timed(scenario, limits, None, worker).await
+}
+
+async fn run_loop_timed<F, Fut>(
     scenario: &Scenario,
     limits: RunLimits,
     stats: Option<&Stats>,
+    worker: F,
 ) -> Result<RunResult, BoxError>
 where
-    Row: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+    F: Fn(Arc<LoopShared>) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
-    let shared = Arc::new(RawShared {
+    let shared = Arc::new(LoopShared {
         total: limits.rows,
-        ..RawShared::default()
+        ..LoopShared::default()
     });
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..scenario.workers {
-        let p = prepared.clone();
         let sh = shared.clone();
-        let batch = scenario.batch;
-        let lease_seconds = table.lease_seconds();
+        let work = worker(sh.clone());
         tasks.spawn(async move {
-            let r = raw_worker(&p, &sh, batch, lease_seconds).await;
+            let r = work.await;
             if r.is_err() {
                 sh.failed.store(true, Ordering::Relaxed);
             }
@@ -366,14 +422,35 @@ where
         }
     }
     match first_error {
-        Some(e) => Err(format!("{}: the raw loop failed: {e}", scenario.id()).into()),
+        Some(e) => Err(format!("{}: the loop failed: {e}", scenario.id()).into()),
         None => Ok(result),
     }
 }
 
-async fn raw_worker<B: Backend>(
+/// The strategy loop: `workers` tokio tasks drive `prepared` (see the module docs), timed until
+/// the table's rows are acked.
+pub async fn strategy_run<B: Backend>(
+    prepared: Arc<Prepared<B>>,
+    table: &TableDescription,
+    scenario: &Scenario,
+    limits: RunLimits,
+    stats: Option<&Stats>,
+) -> Result<RunResult, BoxError>
+where
+    Row: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+{
+    let batch = scenario.batch;
+    let lease_seconds = table.lease_seconds();
+    run_loop_timed(scenario, limits, stats, move |sh| {
+        let p = prepared.clone();
+        async move { strategy_worker(&p, &sh, batch, lease_seconds).await }
+    })
+    .await
+}
+
+async fn strategy_worker<B: Backend>(
     prepared: &Prepared<B>,
-    shared: &RawShared,
+    shared: &LoopShared,
     batch: usize,
     lease_seconds: u32,
 ) -> Result<(), BoxError>
@@ -381,20 +458,16 @@ where
     Row: for<'r> FromRow<'r, <B::Db as Database>::Row>,
 {
     while !shared.finished() {
-        // Registered before the claim, so a settlement during the claim is not missed.
-        let settled = shared.settled.notified();
-        tokio::pin!(settled);
-        settled.as_mut().enable();
+        let idle = shared.idle_signal();
+        tokio::pin!(idle);
+        idle.as_mut().enable();
         let got = match prepared {
             Prepared::RowLock(s) => raw_row_lock(s, shared).await?,
             Prepared::Lease(s) => raw_lease(s, shared, batch, lease_seconds).await?,
             Prepared::Advisory(s) => raw_advisory(s, shared, batch).await?,
         };
-        if got == 0 && !shared.finished() {
-            tokio::select! {
-                () = &mut settled => {}
-                () = tokio::time::sleep(EMPTY_WAIT) => {}
-            }
+        if got == 0 {
+            shared.idle(idle).await;
         }
     }
     Ok(())
@@ -409,7 +482,7 @@ where
     Ok(())
 }
 
-async fn raw_row_lock<S: RowLockStrategy>(s: &S, shared: &RawShared) -> Result<usize, BoxError>
+async fn raw_row_lock<S: RowLockStrategy>(s: &S, shared: &LoopShared) -> Result<usize, BoxError>
 where
     Row: for<'r> FromRow<'r, <S::Db as Database>::Row>,
 {
@@ -423,14 +496,14 @@ where
         now_ms: clock::now_ms(),
         attempt: row.attempt,
     };
-    s.settle(tx, settle).await?;
+    s.settle(tx, settle, false).await?;
     shared.acked_one();
     Ok(1)
 }
 
 async fn raw_lease<S: LeaseStrategy>(
     s: &S,
-    shared: &RawShared,
+    shared: &LoopShared,
     batch: usize,
     lease_seconds: u32,
 ) -> Result<usize, BoxError>
@@ -454,17 +527,15 @@ where
             expires_ms,
             attempt,
         };
-        if !s.settle(token, settle).await? {
-            return Err(format!("row {}: the lease was lost before its ack", row.id).into());
-        }
-        shared.acked_one();
+        let changed = u64::from(s.settle(token, settle).await?);
+        shared.fenced(row.id, changed)?;
     }
     Ok(got)
 }
 
 async fn raw_advisory<S: AdvisoryStrategy>(
     s: &S,
-    shared: &RawShared,
+    shared: &LoopShared,
     batch: usize,
 ) -> Result<usize, BoxError>
 where

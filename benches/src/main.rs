@@ -2,21 +2,14 @@
 
 use std::process::ExitCode;
 
-use benches::cli::{Options, USAGE};
+use benches::cli::Options;
 use benches::report;
 
 fn main() -> ExitCode {
     let options = match Options::parse(std::env::args().skip(1)) {
         Ok(o) => o,
-        Err(e) => {
-            eprintln!("error: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
+        Err(e) => e.exit(),
     };
-    if options.help {
-        println!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -44,17 +37,15 @@ fn main() -> ExitCode {
             report.profile.clone()
         };
         let title = format!(
-            "sqlx-broker claim + ack throughput ({}): engine vs raw loop",
+            "sqlx-broker claim + ack throughput ({}): vs hand-written sqlx and ruststream-sqlx",
             report.profile
         );
-        let written = std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(dir.join(format!("{stem}.md")), &markdown))
-            .and_then(|()| {
-                std::fs::write(
-                    dir.join(format!("{stem}.svg")),
-                    report::svg(&title, &report.scenarios),
-                )
-            });
+        let written = report::svg(&title, &report.scenarios).and_then(|svg| {
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(dir.join(format!("{stem}.md")), &markdown))
+                .and_then(|()| std::fs::write(dir.join(format!("{stem}.svg")), svg))
+                .map_err(Into::into)
+        });
         match written {
             Ok(()) => eprintln!("wrote {}/{stem}.md and {stem}.svg", dir.display()),
             Err(e) => {

@@ -6,7 +6,8 @@ use std::time::Instant;
 use crate::BoxError;
 use crate::cli::Options;
 use crate::drain::{RunLimits, RunResult};
-use crate::report::{Report, ScenarioReport, fmt_rate};
+use crate::peer;
+use crate::report::{self, Report, ScenarioReport, fmt_rate};
 use crate::scenario::Db;
 use crate::target::{Side, Target, Urls};
 
@@ -105,37 +106,67 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
                 for (i, scenario) in scenarios.iter().enumerate() {
                     let scenario_started = Instant::now();
                     let limits = RunLimits::new(profile.rows, scenario, profile.cap);
-                    let (mut engine, mut raw): (Vec<RunResult>, Vec<RunResult>) = (vec![], vec![]);
+                    let baseline_side = if scenario.fifo_groups.is_some() {
+                        Side::StrategyLoop
+                    } else {
+                        Side::HandWritten
+                    };
+                    let mut sides = vec![Side::Engine, baseline_side];
+                    if options.peer && peer::covers(scenario) {
+                        sides.push(Side::Peer);
+                    }
+                    if options.strategy_loop && baseline_side != Side::StrategyLoop {
+                        sides.push(Side::StrategyLoop);
+                    }
+                    let mut runs: Vec<Vec<RunResult>> = vec![Vec::new(); sides.len()];
                     for rep in 0..profile.reps {
-                        // Alternate which side goes first, so neither always meets a warmer
-                        // server.
-                        let order = if (i + rep) % 2 == 0 {
-                            [Side::Engine, Side::Raw]
-                        } else {
-                            [Side::Raw, Side::Engine]
-                        };
-                        for side in order {
-                            let r = target.run_side(scenario, side, limits).await?;
-                            match side {
-                                Side::Engine => engine.push(r),
-                                Side::Raw => raw.push(r),
-                            }
+                        // Rotate which side goes first, so none always meets a warmer server.
+                        for k in 0..sides.len() {
+                            let at = (k + i + rep) % sides.len();
+                            let r = target.run_side(scenario, sides[at], limits).await?;
+                            runs[at].push(r);
                         }
                     }
-                    let r = ScenarioReport::from_runs(*scenario, &engine, &raw);
-                    log(&format!(
-                        "{:<30} engine {:>7} msg/s  raw {:>7} msg/s  ratio {:.2}  ({:.1} s){}",
+                    let r = ScenarioReport::from_runs(
+                        *scenario,
+                        baseline_side,
+                        &runs[0],
+                        &runs[1],
+                        sides
+                            .iter()
+                            .position(|s| *s == Side::Peer)
+                            .map_or(&[][..], |p| &runs[p]),
+                    );
+                    let mut line = format!(
+                        "{:<30} broker {:>7}  {} {:>7}  ratio {:.2}",
                         scenario.id(),
                         fmt_rate(r.engine.rate()),
-                        fmt_rate(r.raw.rate()),
+                        baseline_side.label(),
+                        fmt_rate(r.baseline.rate()),
                         r.ratio(),
+                    );
+                    if let (Some(p), Some(pr)) = (r.peer, r.peer_ratio()) {
+                        line.push_str(&format!(
+                            "  ruststream-sqlx {:>7}  ratio {pr:.2}",
+                            fmt_rate(p.rate())
+                        ));
+                    }
+                    if let Some(k) = sides.iter().position(|s| *s == Side::StrategyLoop)
+                        && baseline_side != Side::StrategyLoop
+                    {
+                        let s = report::median_run(&runs[k]);
+                        line.push_str(&format!("  strategy loop {:>7}", fmt_rate(s.rate())));
+                    }
+                    line.push_str(&format!(
+                        "  ({:.1} s){}",
                         scenario_started.elapsed().as_secs_f64(),
-                        if r.engine.capped || r.raw.capped {
+                        if r.engine.capped || r.baseline.capped {
                             "  capped"
                         } else {
                             ""
                         }
                     ));
+                    log(&line);
                     report.scenarios.push(r);
                 }
             }
@@ -201,7 +232,7 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
             profile.cap.as_secs_f64()
         ),
         format!("servers (same machine, loopback): {}", servers.join("; ")),
-        "pools: the backends' `connect` defaults (PostgreSQL and MariaDB 16 connections, SQLite 8), shared by both sides".into(),
+        "pools: the backends' `connect` defaults (PostgreSQL and MariaDB 16 connections, SQLite 8), shared by sqlx-broker and the hand-written loop (each hand-written worker holds one connection for its run); ruststream-sqlx gets a pool of 16 of its own".into(),
         "tables: a text payload and a due-time column, plus `locked_until` (lease), a key column with the template `k-{k}` over 1024 keys (advisory), or a group column with `fifo(true)` (FIFO, rows spread round-robin over the groups); acks delete rows".into(),
     ];
     report.took = started.elapsed();

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use broker_core::{Backend, Broker, ClaimMode, NewJob, Outcome, Queue, SubscribeOptions};
+use broker_core::{
+    Backend, Broker, ClaimMode, NewJob, Outcome, Queue, SubscribeOptions, TableDescription,
+};
 use broker_mysql::MySqlBackend;
 use broker_postgres::PgBackend;
 use broker_sqlite::SqliteBackend;
@@ -15,6 +17,7 @@ use crate::BoxError;
 use crate::drain::{self, Row, RunLimits, RunResult};
 use crate::scenario::{Db, Scenario};
 use crate::timed::Timed;
+use crate::{handwritten, peer};
 
 /// Where the server databases are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,8 +84,27 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum Side {
     /// The engine: a subscription.
     Engine,
-    /// The raw loop.
-    Raw,
+    /// The hand-written sqlx loop ([`handwritten`](crate::handwritten)), the baseline of plain
+    /// tables.
+    HandWritten,
+    /// The strategy loop: plain tasks calling the backend's own strategy methods. It shares the
+    /// engine's statements, so it only shows what the engine's scheduling costs; it is the
+    /// baseline of FIFO tables, which have no hand-written loop.
+    StrategyLoop,
+    /// ruststream-sqlx, the peer crate (PostgreSQL row lock and lease only).
+    Peer,
+}
+
+impl Side {
+    /// A short label for logs and tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            Side::Engine => "sqlx-broker",
+            Side::HandWritten => "hand-written",
+            Side::StrategyLoop => "strategy loop",
+            Side::Peer => "ruststream-sqlx",
+        }
+    }
 }
 
 impl Target {
@@ -195,7 +217,33 @@ impl Target {
         side: Side,
         limits: RunLimits,
     ) -> Result<RunResult, BoxError> {
-        on_broker!(self, b => run_side(b, scenario, side, limits).await)
+        match (self, side) {
+            (Target::Postgres(b), Side::HandWritten) => {
+                on_table(b, scenario, "h", limits, async |t| {
+                    handwritten::postgres(b.pool(), t.name(), scenario, limits).await
+                })
+                .await
+            }
+            (Target::MariaDb(b), Side::HandWritten) => {
+                on_table(b, scenario, "h", limits, async |t| {
+                    handwritten::mysql(b.pool(), t.name(), scenario, limits).await
+                })
+                .await
+            }
+            (Target::Sqlite { broker: b, .. }, Side::HandWritten) => {
+                on_table(b, scenario, "h", limits, async |t| {
+                    handwritten::sqlite(b.pool(), t.name(), scenario, limits).await
+                })
+                .await
+            }
+            (Target::Postgres(b), Side::Peer) => peer::run(b, scenario, limits).await,
+            (_, Side::Peer) => Err(format!(
+                "{}: ruststream-sqlx runs on PostgreSQL only in this bench",
+                scenario.id()
+            )
+            .into()),
+            _ => on_broker!(self, b => run_side(b, scenario, side, limits).await),
+        }
     }
 
     /// Publish throughput: one row per statement, then batches of `batch` rows.
@@ -235,6 +283,32 @@ fn remove_sqlite_files(file: &std::path::Path) {
     }
 }
 
+/// Creates a table of its own for one side of `scenario`, fills it with `limits.rows` rows,
+/// drains it with `drain`, and drops it.
+async fn on_table<B: Backend>(
+    broker: &Broker<Timed<B>>,
+    scenario: &Scenario,
+    tag: &str,
+    limits: RunLimits,
+    drain: impl AsyncFnOnce(&TableDescription) -> Result<RunResult, BoxError>,
+) -> Result<RunResult, BoxError>
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+{
+    let table = drain::describe(&drain::table_name(tag), scenario.mode, scenario.fifo_groups)?;
+    broker.create_tables(&table).await?;
+    let result = async {
+        let rows = usize::try_from(limits.rows)?;
+        drain::fill(broker, &table, rows, scenario.fifo_groups).await?;
+        drain(&table).await
+    }
+    .await;
+    let dropped = broker.drop_tables(&table).await;
+    let result = result?;
+    dropped?;
+    Ok(result)
+}
+
 async fn run_side<B: Backend>(
     broker: &Broker<Timed<B>>,
     scenario: &Scenario,
@@ -245,32 +319,18 @@ where
     Row: for<'r> FromRow<'r, <B::Db as Database>::Row>,
     String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
 {
-    let name = drain::table_name(match side {
-        Side::Engine => "e",
-        Side::Raw => "r",
-    });
-    let table = drain::describe(&name, scenario.mode, scenario.fifo_groups)?;
-    broker.create_tables(&table).await?;
     let stats = broker.backend().stats().clone();
-    let result = async {
-        let rows = usize::try_from(limits.rows)?;
-        drain::fill(broker, &table, rows, scenario.fifo_groups).await?;
-        match side {
-            Side::Engine => {
-                let queue = broker.queue::<Row>(table.clone()).await?;
-                drain::engine_run(&queue, scenario, limits, Some(&stats)).await
-            }
-            Side::Raw => {
-                let prepared = broker.backend().prepare(&Arc::new(table.clone())).await?;
-                drain::raw_run(Arc::new(prepared), &table, scenario, limits, Some(&stats)).await
-            }
+    let tag = if side == Side::Engine { "e" } else { "s" };
+    on_table(broker, scenario, tag, limits, async |table| {
+        if side == Side::Engine {
+            let queue = broker.queue::<Row>(table.clone()).await?;
+            drain::engine_run(&queue, scenario, limits, Some(&stats)).await
+        } else {
+            let prepared = broker.backend().prepare(&Arc::new(table.clone())).await?;
+            drain::strategy_run(Arc::new(prepared), table, scenario, limits, Some(&stats)).await
         }
-    }
-    .await;
-    let dropped = broker.drop_tables(&table).await;
-    let result = result?;
-    dropped?;
-    Ok(result)
+    })
+    .await
 }
 
 /// Publish throughput on one database.

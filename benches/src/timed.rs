@@ -239,9 +239,18 @@ impl<S: RowLockStrategy> RowLockStrategy for TimedStrategy<S> {
         r
     }
 
-    async fn settle(&self, tx: Transaction<'static, S::Db>, settle: Settle) -> Result<()> {
+    async fn begin_writes(&self, tx: &mut Transaction<'static, S::Db>) -> Result<()> {
+        self.inner.begin_writes(tx).await
+    }
+
+    async fn settle(
+        &self,
+        tx: Transaction<'static, S::Db>,
+        settle: Settle,
+        writes_began: bool,
+    ) -> Result<()> {
         let t = Instant::now();
-        let r = self.inner.settle(tx, settle).await;
+        let r = self.inner.settle(tx, settle, writes_began).await;
         self.stats.record(Op::Settle, t, 1);
         r
     }

@@ -569,7 +569,7 @@ impl<B: Backend> QueueInner<B> {
                 let mut out = Vec::new();
                 while out.len() < limit {
                     match s.claim(now).await? {
-                        Some((tx, row)) => out.push((row, Hold::Tx(tx))),
+                        Some((tx, row)) => out.push((row, Hold::Tx(tx, false))),
                         None => break,
                     }
                 }
@@ -669,7 +669,9 @@ impl<B: Backend> QueueInner<B> {
     /// Settles one row by its hold. Returns what was done.
     pub(crate) async fn settle_hold(&self, hold: Hold<B>, settle: Settle) -> Result<()> {
         match (hold, &self.prepared) {
-            (Hold::Tx(tx), Prepared::RowLock(s)) => s.settle(tx, settle).await,
+            (Hold::Tx(tx, writes_began), Prepared::RowLock(s)) => {
+                s.settle(tx, settle, writes_began).await
+            }
             (Hold::Lease(cell), Prepared::Lease(s)) => match s.settle(cell.token(), settle).await {
                 Ok(true) => Ok(()),
                 Ok(false) => Err(self.lost(settle.id).await),

@@ -11,7 +11,8 @@ use crate::clock;
 use crate::error::{Result, SqlxBrokerError};
 use crate::metrics::Metrics;
 use crate::strategy::{
-    Action, AdvisoryStrategy, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Prepared, Settle,
+    Action, AdvisoryStrategy, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Prepared,
+    RowLockStrategy, Settle,
 };
 use crate::table::ClaimMode;
 
@@ -32,8 +33,9 @@ pub enum Outcome {
 
 /// What holds a delivery's row.
 pub(crate) enum Hold<B: Backend> {
-    /// Row lock: the claim's open transaction.
-    Tx(Transaction<'static, B::Db>),
+    /// Row lock: the claim's open transaction, and whether the handler's writes began in it
+    /// (see [`RowLockStrategy::begin_writes`]).
+    Tx(Transaction<'static, B::Db>, bool),
     /// Lease: the token, which renewal moves forward.
     Lease(Arc<LeaseCell>),
     /// Advisory: the key lock.
@@ -310,12 +312,31 @@ impl<B: Backend, T> Delivery<B, T> {
     }
 
     /// The delivery's transaction, in row lock mode: writes made through it commit with the ack
-    /// (and roll back with a retry or dead letter). `None` in the other modes.
-    pub fn transaction(&mut self) -> Option<&mut Transaction<'static, B::Db>> {
-        match &mut self.hold {
-            Some(Hold::Tx(tx)) => Some(tx),
-            _ => None,
+    /// (and roll back with a retry or dead letter, while the row stays locked). `None` in the
+    /// other modes.
+    ///
+    /// The first call marks where the handler's writes begin (a savepoint, one statement); a
+    /// handler that never asks for the transaction costs none.
+    ///
+    /// # Errors
+    /// The statement that sets the mark failed (e.g. the connection was lost); the delivery
+    /// then still holds its row, and settling or dropping it behaves as documented.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled first call may leave the connection mid-statement; settle
+    /// or drop the delivery afterwards (its transaction then rolls back).
+    pub async fn transaction(&mut self) -> Result<Option<&mut Transaction<'static, B::Db>>> {
+        let Some(Hold::Tx(tx, writes_began)) = &mut self.hold else {
+            return Ok(None);
+        };
+        if !*writes_began {
+            let Prepared::RowLock(s) = &self.queue.prepared else {
+                unreachable!("a transaction hold comes from a row lock queue")
+            };
+            s.begin_writes(tx).await?;
+            *writes_began = true;
         }
+        Ok(Some(tx))
     }
 
     /// The lease expiry this delivery holds (unix milliseconds), in lease mode.
@@ -498,7 +519,7 @@ impl<B: Backend, T> Drop for Delivery<B, T> {
         let Some(hold) = self.hold.take() else { return };
         match hold {
             // The transaction rolls back as it drops.
-            Hold::Tx(tx) => drop(tx),
+            Hold::Tx(tx, _) => drop(tx),
             // The key unlocks through KeyHold's drop.
             Hold::Key(k) => drop(k),
             Hold::Lease(cell) => {

@@ -137,12 +137,29 @@ pub trait RowLockStrategy: Send + Sync + 'static {
         now_ms: i64,
     ) -> impl Future<Output = Result<Option<RowLockClaim<Self::Db>>>> + Send;
 
-    /// Runs the settlement in the claim's transaction and commits it. A retry or dead letter
-    /// rolls back the handler's writes first, then counts the attempt.
+    /// Marks where the handler's writes through the claim's transaction begin (a savepoint),
+    /// so a retry or dead letter can undo them while the row stays locked. The engine calls it
+    /// once, when the handler first asks for the delivery's transaction, and never on a
+    /// delivery whose handler does not: a savepoint on every claim would put the queue row's
+    /// change in a subtransaction (on PostgreSQL a MultiXact per delivery).
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a dropped call may leave the connection mid-statement. The engine never
+    /// cancels it.
+    fn begin_writes(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Runs the settlement in the claim's transaction and commits it. `writes_began` says
+    /// whether [`begin_writes`](Self::begin_writes) ran: then a retry or dead letter first
+    /// rolls the handler's writes back to that mark, and every settlement ends the mark before
+    /// it changes the queue row, so the row never changes inside a subtransaction.
     fn settle(
         &self,
         tx: Transaction<'static, Self::Db>,
         settle: Settle,
+        writes_began: bool,
     ) -> impl Future<Output = Result<()>> + Send;
 }
 
@@ -234,7 +251,17 @@ impl<DB: Database> RowLockStrategy for NotOffered<DB> {
             NotOffered::_Never(never, _) => match *never {},
         }
     }
-    async fn settle(&self, _tx: Transaction<'static, DB>, _settle: Settle) -> Result<()> {
+    async fn begin_writes(&self, _tx: &mut Transaction<'static, DB>) -> Result<()> {
+        match self {
+            NotOffered::_Never(never, _) => match *never {},
+        }
+    }
+    async fn settle(
+        &self,
+        _tx: Transaction<'static, DB>,
+        _settle: Settle,
+        _writes_began: bool,
+    ) -> Result<()> {
         match self {
             NotOffered::_Never(never, _) => match *never {},
         }

@@ -2,11 +2,12 @@
 //! `FOR UPDATE SKIP LOCKED` and stays open while the handler runs; the settlement runs in it and
 //! commits.
 //!
-//! Right after the claim's select the transaction sets a savepoint. A retry or dead letter rolls
-//! back to it — undoing what the handler wrote through the delivery's transaction, while InnoDB
-//! keeps the claimed row locked — then counts the attempt and commits. A crash, a killed
-//! connection or a dropped delivery rolls the whole transaction back: the row is due again at
-//! once and no attempt is used.
+//! The hot path is begin, the claim's select, the settlement's statement and commit. Only when
+//! the handler first asks for the delivery's transaction does it set a savepoint: a retry or dead
+//! letter rolls back to it — undoing what the handler wrote, while InnoDB keeps the claimed row
+//! locked — then counts the attempt and commits. Every settlement releases the savepoint before
+//! it changes the queue row. A crash, a killed connection or a dropped delivery rolls the whole
+//! transaction back: the row is due again at once and no attempt is used.
 
 use std::sync::Arc;
 
@@ -17,8 +18,8 @@ use sqlx::{MySql, MySqlPool, Transaction};
 use crate::backend::claimed;
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, CLAIM_SAVEPOINT, ROLLBACK_TO_CLAIM, SettleStatements, Sql, Statements, Stmt, begin_sql,
-    execute_plain, retrying,
+    Args, RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt,
+    WRITES_SAVEPOINT, begin_sql, execute_plain, retrying,
 };
 
 /// The row lock strategy of one MySQL / MariaDB table.
@@ -106,7 +107,6 @@ impl MySqlRowLock {
             tx.rollback().await.map_err(self.err("rollback"))?;
             return Ok(None);
         }
-        execute_plain(&mut tx, name, "savepoint", CLAIM_SAVEPOINT).await?;
         Ok(Some((tx, row)))
     }
 }
@@ -118,10 +118,22 @@ impl RowLockStrategy for MySqlRowLock {
         retrying(self.table.name(), "claim", || self.claim_once(now_ms)).await
     }
 
-    async fn settle(&self, mut tx: Transaction<'static, MySql>, settle: Settle) -> Result<()> {
+    async fn begin_writes(&self, tx: &mut Transaction<'static, MySql>) -> Result<()> {
+        execute_plain(tx, self.table.name(), "savepoint", WRITES_SAVEPOINT).await
+    }
+
+    async fn settle(
+        &self,
+        mut tx: Transaction<'static, MySql>,
+        settle: Settle,
+        writes_began: bool,
+    ) -> Result<()> {
         let name = self.table.name();
-        if settle.action != Action::Ack {
-            execute_plain(&mut tx, name, "rollback to savepoint", ROLLBACK_TO_CLAIM).await?;
+        if writes_began {
+            if settle.action != Action::Ack {
+                execute_plain(&mut tx, name, "rollback to savepoint", ROLLBACK_TO_WRITES).await?;
+            }
+            execute_plain(&mut tx, name, "release savepoint", RELEASE_WRITES).await?;
         }
         self.settle.run(&mut tx, name, settle, None, true).await?;
         tx.commit().await.map_err(self.err("commit"))

@@ -21,12 +21,15 @@ pub(crate) fn ident(name: &str) -> String {
 /// The alias of the group column in claimed rows of FIFO tables (the guard reads it).
 pub(crate) const GROUP_ALIAS: &str = "sqlx_broker_group";
 
-/// The savepoint a row lock claim sets right after its select: a retry or dead letter rolls
-/// back to it, undoing the handler's writes while keeping the claimed row locked.
-pub(crate) const CLAIM_SAVEPOINT: &str = "SAVEPOINT sqlx_broker_claim";
-/// Undoes what the handler wrote through the delivery's transaction (see [`CLAIM_SAVEPOINT`]).
+/// The savepoint a row lock delivery sets when its handler first asks for the transaction: a
+/// retry or dead letter rolls back to it, undoing the handler's writes while keeping the claimed
+/// row locked. Deliveries whose handlers write nothing through it never set it.
+pub(crate) const WRITES_SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
+/// Undoes what the handler wrote through the delivery's transaction (see [`WRITES_SAVEPOINT`]).
 /// InnoDB keeps the row locks taken before the savepoint.
-pub(crate) const ROLLBACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_claim";
+pub(crate) const ROLLBACK_TO_WRITES: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
+/// Ends the savepoint before the settlement changes the queue row.
+pub(crate) const RELEASE_WRITES: &str = "RELEASE SAVEPOINT sqlx_broker_writes";
 
 /// The epoch as DATETIME(6). Times cross the wire as integers from the epoch and are turned
 /// into DATETIME arithmetic (`TIMESTAMPADD`/`TIMESTAMPDIFF`), not `FROM_UNIXTIME` /

@@ -130,7 +130,7 @@ async fn killing_a_row_lock_deliverys_connection_returns_the_row_at_once_without
     let id = fx.publish(&q, 1).await[0];
     let mut d = claim_one(&q).await;
     let connection: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(&mut **d.transaction().unwrap())
+        .fetch_one(&mut **d.transaction().await.unwrap().unwrap())
         .await
         .unwrap();
     assert!(
@@ -496,7 +496,7 @@ async fn a_retry_rolls_back_the_handlers_writes_but_keeps_the_row_locked() {
     let other = fx.other_queue().await;
     let id = fx.publish(&q, 1).await[0];
     let mut d = claim_one(&q).await;
-    let tx = d.transaction().unwrap();
+    let tx = d.transaction().await.unwrap().unwrap();
     sqlx::query(AssertSqlSafe(format!(
         "UPDATE `{}` SET payload = 'changed by the handler' WHERE id = ?",
         fx.table.name()

@@ -141,7 +141,7 @@ mod case {
         let id = fx.publish(&q, 1).await[0];
         let mut d = claim_one(&q).await;
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut **d.transaction().unwrap())
+            .fetch_one(&mut **d.transaction().await.unwrap().unwrap())
             .await
             .unwrap();
         assert!(

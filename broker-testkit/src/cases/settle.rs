@@ -286,6 +286,8 @@ pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
     let mut d = claim_one::<D>(&q).await;
     let tx = d
         .transaction()
+        .await
+        .unwrap()
         .expect("row lock deliveries carry their transaction");
     let rolled_back = side_q
         .publish_in(
@@ -302,7 +304,7 @@ pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
 
     let mut d = claim_one::<D>(&q).await;
     assert_eq!(d.attempt(), 2, "the retry still counted its attempt");
-    let tx = d.transaction().unwrap();
+    let tx = d.transaction().await.unwrap().unwrap();
     let kept = side_q
         .publish_in(&mut **tx, &[NewJob::new(D::Text::from("kept".to_owned()))])
         .await

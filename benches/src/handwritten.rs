@@ -1,0 +1,513 @@
+//! The hand-written baseline: what a competent engineer writes directly on sqlx to drain a job
+//! table in each claim mode, with the leanest correct statements, sharing no statement text and
+//! no code with the backends (nothing here calls a broker strategy or renders broker SQL). The
+//! engine is measured against this loop, so a statement the engine adds on its hot path (a
+//! savepoint, an extra read) shows up as a ratio below 1.
+//!
+//! Every worker holds one connection of its own for the whole run (a loop needs no pool
+//! between its statements), reads `id, attempt, payload` and decodes the payload as text, and
+//! honours the table's due-time column as the engine must. Per mode and database:
+//!
+//! | mode | PostgreSQL | MariaDB | SQLite |
+//! |---|---|---|---|
+//! | row lock | `BEGIN`; select `.. ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED`; `DELETE` by id; `COMMIT` | the same, the session at READ COMMITTED | not offered |
+//! | lease | one `UPDATE .. WHERE id IN (SELECT .. FOR UPDATE SKIP LOCKED) RETURNING` per batch; one `DELETE .. WHERE id AND attempt` per row | per batch: begin, locking read, one `UPDATE .. WHERE id IN (..)`, commit; one fenced `DELETE` per row | one `UPDATE .. WHERE id IN (SELECT ..) RETURNING` per batch; one fenced `DELETE` per row |
+//! | advisory | a candidate read per batch; per row `pg_try_advisory_lock`, take (`UPDATE .. RETURNING`), `DELETE`, `pg_advisory_unlock` | a candidate read per batch; per row `GET_LOCK(.., 0)`, take (`UPDATE` then read), `DELETE`, `RELEASE_LOCK` | a candidate read per batch; per row an in-process key set, take (`UPDATE .. RETURNING`), `DELETE` |
+//!
+//! The lease fence is the attempt the claim wrote: every claim changes it, so a delete that
+//! names it removes the row only while this worker's claim is the latest.
+
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, Connection, MySqlPool, PgPool, SqlitePool};
+
+use crate::BoxError;
+use crate::drain::{LoopShared, RunLimits, RunResult, run_loop};
+use crate::scenario::Scenario;
+
+/// A statement's text, cheap to hand to sqlx on every call.
+type Sql = Arc<str>;
+
+fn sql(s: String) -> Sql {
+    s.into()
+}
+
+/// A statement for one call.
+fn q(s: &Sql) -> AssertSqlSafe<Sql> {
+    AssertSqlSafe(s.clone())
+}
+
+/// How many candidates an advisory worker reads per round.
+fn candidate_limit(batch: usize) -> i64 {
+    i64::try_from(batch.saturating_mul(4).max(16)).unwrap_or(i64::MAX)
+}
+
+fn limit(batch: usize) -> i64 {
+    i64::try_from(batch).unwrap_or(i64::MAX)
+}
+
+/// Lease length the hand-written lease loops write (they finish long before it runs out).
+const LEASE_SECONDS: i64 = 30;
+
+/// Drains `table` on PostgreSQL with the hand-written loop of `scenario.mode`.
+pub async fn postgres(
+    pool: &PgPool,
+    table: &str,
+    scenario: &Scenario,
+    limits: RunLimits,
+) -> Result<RunResult, BoxError> {
+    use broker_core::ClaimMode;
+    let t = format!("\"{table}\"");
+    let due = "(due_at IS NULL OR due_at <= now())";
+    let batch = scenario.batch;
+    match scenario.mode {
+        ClaimMode::RowLock => {
+            let select = sql(format!(
+                "SELECT id, attempt, payload FROM {t} WHERE {due} ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = $1"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let (pool, select, delete) = (pool.clone(), select.clone(), delete.clone());
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let mut tx = conn.begin().await?;
+                        let row: Option<(i64, i32, String)> =
+                            sqlx::query_as(q(&select)).fetch_optional(&mut *tx).await?;
+                        let Some((id, _, _payload)) = row else {
+                            tx.rollback().await?;
+                            sh.idle(idle).await;
+                            continue;
+                        };
+                        sqlx::query(q(&delete)).bind(id).execute(&mut *tx).await?;
+                        tx.commit().await?;
+                        sh.acked_one();
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+        ClaimMode::Lease => {
+            let claim = sql(format!(
+                "UPDATE {t} SET locked_until = now() + make_interval(secs => {LEASE_SECONDS}), \
+                 attempt = attempt + 1 \
+                 WHERE id IN (SELECT id FROM {t} \
+                   WHERE (locked_until IS NULL OR locked_until < now()) AND {due} \
+                   ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) \
+                 RETURNING id, attempt, payload"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = $1 AND attempt = $2"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let (pool, claim, delete) = (pool.clone(), claim.clone(), delete.clone());
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let rows: Vec<(i64, i32, String)> = sqlx::query_as(q(&claim))
+                            .bind(limit(batch))
+                            .fetch_all(&mut *conn)
+                            .await?;
+                        if rows.is_empty() {
+                            sh.idle(idle).await;
+                            continue;
+                        }
+                        for (id, attempt, _payload) in rows {
+                            let done = sqlx::query(q(&delete))
+                                .bind(id)
+                                .bind(attempt)
+                                .execute(&mut *conn)
+                                .await?;
+                            sh.fenced(id, done.rows_affected())?;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+        ClaimMode::Advisory => {
+            let candidates = sql(format!(
+                "SELECT id, k FROM {t} WHERE {due} ORDER BY id LIMIT $1"
+            ));
+            let take = sql(format!(
+                "UPDATE {t} SET attempt = attempt + 1 WHERE id = $1 AND {due} \
+                 RETURNING attempt, payload"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = $1"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let pool = pool.clone();
+                let (candidates, take, delete) = (candidates.clone(), take.clone(), delete.clone());
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let rows: Vec<(i64, String)> = sqlx::query_as(q(&candidates))
+                            .bind(candidate_limit(batch))
+                            .fetch_all(&mut *conn)
+                            .await?;
+                        let mut done = 0;
+                        for (id, k) in rows {
+                            if done >= batch || sh.finished() {
+                                break;
+                            }
+                            let key = format!("k-{k}");
+                            if !sh.reserve(&key) {
+                                continue;
+                            }
+                            let r = async {
+                                let locked: bool =
+                                    sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+                                        .bind(&key)
+                                        .fetch_one(&mut *conn)
+                                        .await?;
+                                if !locked {
+                                    return Ok::<_, BoxError>(false);
+                                }
+                                let row: Option<(i32, String)> = sqlx::query_as(q(&take))
+                                    .bind(id)
+                                    .fetch_optional(&mut *conn)
+                                    .await?;
+                                if row.is_some() {
+                                    sqlx::query(q(&delete)).bind(id).execute(&mut *conn).await?;
+                                }
+                                let _: bool =
+                                    sqlx::query_scalar("SELECT pg_advisory_unlock(hashtext($1))")
+                                        .bind(&key)
+                                        .fetch_one(&mut *conn)
+                                        .await?;
+                                Ok(row.is_some())
+                            }
+                            .await;
+                            sh.release(&key);
+                            if r? {
+                                done += 1;
+                                sh.acked_one();
+                            }
+                        }
+                        if done == 0 {
+                            sh.idle(idle).await;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+    }
+}
+
+/// Drains `table` on MySQL / MariaDB with the hand-written loop of `scenario.mode`.
+pub async fn mysql(
+    pool: &MySqlPool,
+    table: &str,
+    scenario: &Scenario,
+    limits: RunLimits,
+) -> Result<RunResult, BoxError> {
+    use broker_core::ClaimMode;
+    let t = format!("`{table}`");
+    let due = "(due_at IS NULL OR due_at <= UTC_TIMESTAMP(6))";
+    let batch = scenario.batch;
+    match scenario.mode {
+        ClaimMode::RowLock => {
+            let select = sql(format!(
+                "SELECT id, attempt, payload FROM {t} WHERE {due} ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = ?"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let (pool, select, delete) = (pool.clone(), select.clone(), delete.clone());
+                async move {
+                    // The session's isolation level changes, so the connection leaves the pool
+                    // and closes when the worker ends.
+                    let mut conn = pool.acquire().await?.detach();
+                    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .execute(&mut conn)
+                        .await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let mut tx = conn.begin().await?;
+                        let row: Option<(i64, i32, String)> =
+                            sqlx::query_as(q(&select)).fetch_optional(&mut *tx).await?;
+                        let Some((id, _, _payload)) = row else {
+                            tx.rollback().await?;
+                            sh.idle(idle).await;
+                            continue;
+                        };
+                        sqlx::query(q(&delete)).bind(id).execute(&mut *tx).await?;
+                        tx.commit().await?;
+                        sh.acked_one();
+                    }
+                    conn.close().await?;
+                    Ok(())
+                }
+            })
+            .await
+        }
+        ClaimMode::Lease => {
+            let select = sql(format!(
+                "SELECT id, attempt, payload FROM {t} \
+                 WHERE (locked_until IS NULL OR locked_until < UTC_TIMESTAMP(6)) AND {due} \
+                 ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = ? AND attempt = ?"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let (pool, select, delete) = (pool.clone(), select.clone(), delete.clone());
+                let t = t.clone();
+                async move {
+                    let mut conn = pool.acquire().await?.detach();
+                    sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                        .execute(&mut conn)
+                        .await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let mut tx = conn.begin().await?;
+                        let rows: Vec<(i64, i32, String)> = sqlx::query_as(q(&select))
+                            .bind(limit(batch))
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        if rows.is_empty() {
+                            tx.rollback().await?;
+                            sh.idle(idle).await;
+                            continue;
+                        }
+                        let ids: Vec<String> = rows.iter().map(|r| r.0.to_string()).collect();
+                        sqlx::query(AssertSqlSafe(format!(
+                            "UPDATE {t} SET locked_until = UTC_TIMESTAMP(6) + INTERVAL {LEASE_SECONDS} SECOND, \
+                             attempt = attempt + 1 WHERE id IN ({})",
+                            ids.join(",")
+                        )))
+                        .execute(&mut *tx)
+                        .await?;
+                        tx.commit().await?;
+                        for (id, attempt, _payload) in rows {
+                            let done = sqlx::query(q(&delete))
+                                .bind(id)
+                                .bind(attempt + 1)
+                                .execute(&mut conn)
+                                .await?;
+                            sh.fenced(id, done.rows_affected())?;
+                        }
+                    }
+                    conn.close().await?;
+                    Ok(())
+                }
+            })
+            .await
+        }
+        ClaimMode::Advisory => {
+            let candidates = sql(format!(
+                "SELECT id, k FROM {t} WHERE {due} ORDER BY id LIMIT ?"
+            ));
+            let take = sql(format!(
+                "UPDATE {t} SET attempt = attempt + 1 WHERE id = ? AND {due}"
+            ));
+            let read = sql(format!("SELECT attempt, payload FROM {t} WHERE id = ?"));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = ?"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let pool = pool.clone();
+                let (candidates, take, read, delete) = (
+                    candidates.clone(),
+                    take.clone(),
+                    read.clone(),
+                    delete.clone(),
+                );
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let rows: Vec<(i64, String)> = sqlx::query_as(q(&candidates))
+                            .bind(candidate_limit(batch))
+                            .fetch_all(&mut *conn)
+                            .await?;
+                        let mut done = 0;
+                        for (id, k) in rows {
+                            if done >= batch || sh.finished() {
+                                break;
+                            }
+                            let key = format!("k-{k}");
+                            if !sh.reserve(&key) {
+                                continue;
+                            }
+                            let r = async {
+                                let locked: Option<i64> =
+                                    sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+                                        .bind(&key)
+                                        .fetch_one(&mut *conn)
+                                        .await?;
+                                if locked != Some(1) {
+                                    return Ok::<_, BoxError>(false);
+                                }
+                                let taken = sqlx::query(q(&take))
+                                    .bind(id)
+                                    .execute(&mut *conn)
+                                    .await?
+                                    .rows_affected()
+                                    == 1;
+                                if taken {
+                                    let _row: (i32, String) = sqlx::query_as(q(&read))
+                                        .bind(id)
+                                        .fetch_one(&mut *conn)
+                                        .await?;
+                                    sqlx::query(q(&delete)).bind(id).execute(&mut *conn).await?;
+                                }
+                                let _: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+                                    .bind(&key)
+                                    .fetch_one(&mut *conn)
+                                    .await?;
+                                Ok(taken)
+                            }
+                            .await;
+                            sh.release(&key);
+                            if r? {
+                                done += 1;
+                                sh.acked_one();
+                            }
+                        }
+                        if done == 0 {
+                            sh.idle(idle).await;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+    }
+}
+
+/// Drains `table` on SQLite with the hand-written loop of `scenario.mode` (row lock is not
+/// offered there).
+pub async fn sqlite(
+    pool: &SqlitePool,
+    table: &str,
+    scenario: &Scenario,
+    limits: RunLimits,
+) -> Result<RunResult, BoxError> {
+    use broker_core::ClaimMode;
+    let t = format!("\"{table}\"");
+    let due = "(due_at IS NULL OR due_at <= ?1)";
+    let batch = scenario.batch;
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    };
+    match scenario.mode {
+        ClaimMode::RowLock => Err("SQLite has no row lock mode".into()),
+        ClaimMode::Lease => {
+            let claim = sql(format!(
+                "UPDATE {t} SET locked_until = ?2, attempt = attempt + 1 \
+                 WHERE id IN (SELECT id FROM {t} \
+                   WHERE (locked_until IS NULL OR locked_until < ?1) AND {due} \
+                   ORDER BY id LIMIT ?3) \
+                 RETURNING id, attempt, payload"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = ? AND attempt = ?"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let (pool, claim, delete) = (pool.clone(), claim.clone(), delete.clone());
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let now = now_ms();
+                        let rows: Vec<(i64, i64, String)> = sqlx::query_as(q(&claim))
+                            .bind(now)
+                            .bind(now + LEASE_SECONDS * 1000)
+                            .bind(limit(batch))
+                            .fetch_all(&mut *conn)
+                            .await?;
+                        if rows.is_empty() {
+                            sh.idle(idle).await;
+                            continue;
+                        }
+                        for (id, attempt, _payload) in rows {
+                            let done = sqlx::query(q(&delete))
+                                .bind(id)
+                                .bind(attempt)
+                                .execute(&mut *conn)
+                                .await?;
+                            sh.fenced(id, done.rows_affected())?;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+        ClaimMode::Advisory => {
+            let candidates = sql(format!(
+                "SELECT id, k FROM {t} WHERE {due} ORDER BY id LIMIT ?2"
+            ));
+            let take = sql(format!(
+                "UPDATE {t} SET attempt = attempt + 1 WHERE id = ?2 AND {due} \
+                 RETURNING attempt, payload"
+            ));
+            let delete = sql(format!("DELETE FROM {t} WHERE id = ?"));
+            run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
+                let pool = pool.clone();
+                let (candidates, take, delete) = (candidates.clone(), take.clone(), delete.clone());
+                async move {
+                    let mut conn = pool.acquire().await?;
+                    while !sh.finished() {
+                        let idle = sh.idle_signal();
+                        tokio::pin!(idle);
+                        idle.as_mut().enable();
+                        let rows: Vec<(i64, String)> = sqlx::query_as(q(&candidates))
+                            .bind(now_ms())
+                            .bind(candidate_limit(batch))
+                            .fetch_all(&mut *conn)
+                            .await?;
+                        let mut done = 0;
+                        for (id, k) in rows {
+                            if done >= batch || sh.finished() {
+                                break;
+                            }
+                            // One process on the file: the in-process key set is the lock.
+                            let key = format!("k-{k}");
+                            if !sh.reserve(&key) {
+                                continue;
+                            }
+                            let r = async {
+                                let row: Option<(i64, String)> = sqlx::query_as(q(&take))
+                                    .bind(now_ms())
+                                    .bind(id)
+                                    .fetch_optional(&mut *conn)
+                                    .await?;
+                                if row.is_some() {
+                                    sqlx::query(q(&delete)).bind(id).execute(&mut *conn).await?;
+                                }
+                                Ok::<_, BoxError>(row.is_some())
+                            }
+                            .await;
+                            sh.release(&key);
+                            if r? {
+                                done += 1;
+                                sh.acked_one();
+                            }
+                        }
+                        if done == 0 {
+                            sh.idle(idle).await;
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await
+        }
+    }
+}
