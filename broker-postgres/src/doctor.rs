@@ -287,13 +287,21 @@ async fn indexes(conn: &mut PgConnection, table: &TableDescription) -> Check {
             Some((rest[..end].trim_matches('"').replace("\"\"", "\""), sql))
         })
         .collect();
-    let have: Result<Vec<String>, _> = sqlx::query_scalar(
-        "SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
-         WHERE i.indrelid = to_regclass($1::text)",
-    )
-    .persistent(false)
-    .bind(ident(table.name()))
-    .fetch_all(&mut *conn)
+    // A bound statement goes unnamed, so it runs inside a transaction: behind a
+    // transaction-mode pooler its parse and its execution must reach one server session.
+    let have: Result<Vec<String>, sqlx::Error> = async {
+        let mut tx = conn.begin().await?;
+        let have = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
+             WHERE i.indrelid = to_regclass($1::text)",
+        )
+        .persistent(false)
+        .bind(ident(table.name()))
+        .fetch_all(&mut *tx)
+        .await;
+        let _ = tx.rollback().await;
+        have
+    }
     .await;
     let have = match have {
         Ok(h) => h,

@@ -197,6 +197,8 @@ async fn behind_pgbouncer_in_transaction_mode_the_doctor_names_the_pooler_and_wh
             "{report}"
         );
         assert_eq!(status(&report, "LISTEN"), Status::Warn, "{report}");
+        // The claim's indexes are read through the pooler too (the DDL helper made them).
+        assert_eq!(status(&report, "indexes"), Status::Pass, "{report}");
         if mode == ClaimMode::Advisory {
             assert_eq!(report.worst(), Status::Fail, "{report}");
             // The doctor does not prepare through a deployment that failed a check.
