@@ -16,32 +16,7 @@ use common::Pg;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection};
 
-fn pgbouncer_url() -> String {
-    std::env::var("SQLX_BROKER_PGBOUNCER_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_owned())
-}
-
-/// Starts the local PgBouncer with the repository's script (`.ci/pgbouncer.sh`, which installs
-/// it if missing) when none answers at the default URL, so `cargo test --workspace` works on a
-/// fresh machine as it does in CI. Runs once per process.
-async fn ensure_local_pgbouncer() {
-    static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    if std::env::var_os("SQLX_BROKER_PGBOUNCER_URL").is_some() {
-        return;
-    }
-    STARTED
-        .get_or_init(|| async {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pgbouncer.sh");
-            let status = tokio::task::spawn_blocking(move || {
-                std::process::Command::new("bash").arg(script).status()
-            })
-            .await
-            .expect("the script's task")
-            .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
-            assert!(status.success(), "{script} could not start PgBouncer");
-        })
-        .await;
-}
+use common::{ensure_local_pgbouncer, pgbouncer_url};
 
 /// A broker on the fixture's database through PgBouncer.
 async fn through_pgbouncer(fx: &Fixture<Pg>) -> PgBroker {

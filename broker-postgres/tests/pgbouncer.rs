@@ -15,30 +15,7 @@ use broker_postgres::{PgBackend, PgBroker};
 use broker_testkit::Fixture;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-fn pgbouncer_url() -> String {
-    std::env::var("SQLX_BROKER_PGBOUNCER_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_owned())
-}
-
-/// Starts the local PgBouncer with `.ci/pgbouncer.sh` when none answers at the default URL.
-async fn ensure_local_pgbouncer() {
-    static STARTED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    if std::env::var_os("SQLX_BROKER_PGBOUNCER_URL").is_some() {
-        return;
-    }
-    STARTED
-        .get_or_init(|| async {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/pgbouncer.sh");
-            let status = tokio::task::spawn_blocking(move || {
-                std::process::Command::new("bash").arg(script).status()
-            })
-            .await
-            .expect("the script's task")
-            .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
-            assert!(status.success(), "{script} could not start PgBouncer");
-        })
-        .await;
-}
+use common::{ensure_local_pgbouncer, pgbouncer_url};
 
 /// `url` (a direct one) with PgBouncer's host and port, same database.
 fn through_pgbouncer(url: &str) -> String {
