@@ -267,7 +267,7 @@ where
             .concurrency(scenario.workers)
             .batch_size(scenario.batch)
             .shutdown_timeout(Duration::from_secs(10)),
-        |_| Box::pin(async { Ok(Outcome::Ack) }),
+        |_| async { Outcome::Ack },
     )?;
     let result = watch(limits, stats, true, || {
         let m = queue.metrics();

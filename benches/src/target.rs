@@ -527,7 +527,7 @@ where
             let started = Instant::now();
             let index = job.payload().0.parse().unwrap_or(usize::MAX);
             let _ = tx.send((index, started));
-            Box::pin(async { Ok(Outcome::Ack) })
+            async { Outcome::Ack }
         },
     )?;
     // Let the subscription start (and LISTEN) and go idle before the first sample.

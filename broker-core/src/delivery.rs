@@ -1,22 +1,27 @@
-//! Deliveries and their settlement.
+//! Deliveries and their settlement, and what a subscription's handler receives: a [`Job`] and,
+//! in row lock mode, a [`JobTransaction`].
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sqlx::{Database, FromRow, Transaction};
 
-use crate::broker::{QueueInner, SETTLE_FAILURE_LIMIT};
+use crate::claim_mode::ClaimMode;
 use crate::clock;
 use crate::error::{Result, SqlxBrokerError};
+use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
 use crate::metrics::Metrics;
-use crate::strategy::{
-    Action, AdvisoryStrategy, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Prepared,
-    RowLockStrategy, Settle,
-};
-use crate::table::ClaimMode;
+use crate::mode::lease::Renewer;
+use crate::mode::row_lock::TxHold;
+use crate::mode::{Hold, QueueInner};
+use crate::strategy::{Action, Backend, ClaimedRow, Settle};
+use crate::table::TableDescription;
 
 /// What a handler decided about its delivery.
+///
+/// Not `#[non_exhaustive]`: a handler builds one, and code that settles deliveries by hand
+/// matches every outcome on purpose; a new outcome would be a new major version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// Done: delete the row, or set `processed_at`.
@@ -24,126 +29,158 @@ pub enum Outcome {
     /// Put the row back, due at once. Dead-letters instead when the attempts are spent.
     Retry,
     /// Put the row back, due after the delay (the table needs a due-time column). Dead-letters
-    /// instead when the attempts are spent. The due time is at most 9999-12-31
-    /// ([`clock::MAX_DUE_MS`](crate::clock::MAX_DUE_MS)), so `Duration::MAX` parks the row.
+    /// instead when the attempts are spent. The due time is at most 9999-12-31, so
+    /// `Duration::MAX` parks the row.
     RetryAfter(Duration),
     /// Dead-letter the row now.
     DeadLetter,
 }
 
-/// What holds a delivery's row.
-pub(crate) enum Hold<B: Backend> {
-    /// Row lock: the claim's open transaction, and whether the handler's writes began in it
-    /// (see [`RowLockStrategy::begin_writes`]).
-    Tx(Transaction<'static, B::Db>, bool),
-    /// Lease: the token, which renewal moves forward.
-    Lease(Arc<LeaseCell>),
-    /// Advisory: the key lock.
-    Key(KeyHold<B>),
-}
-
-/// A lease token that renewal can move while the handler runs.
+/// One job a subscription hands its handler: the row as the queue's row type, its id, its
+/// attempt and its advisory key. The handler owns it.
+///
+/// ```
+/// use broker_core::{Job, Outcome, Payload};
+///
+/// async fn send_email(job: Job<Payload<String>>) -> Result<Outcome, std::io::Error> {
+///     println!("to {} (attempt {})", job.payload().0, job.attempt());
+///     Ok(Outcome::Ack)
+/// }
+/// # let _ = send_email;
+/// ```
 #[derive(Debug)]
-pub(crate) struct LeaseCell {
-    token: Mutex<LeaseToken>,
-    lost: AtomicBool,
+pub struct Job<T> {
+    id: i64,
+    attempt: i64,
+    key: Option<String>,
+    payload: T,
+    table: Arc<TableDescription>,
+    lease_expires_ms: Option<i64>,
 }
 
-impl LeaseCell {
-    pub(crate) fn new(token: LeaseToken) -> Self {
+impl<T> Job<T> {
+    /// The row id.
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// The attempt as it stood before this delivery's claim: the first delivery reads 1.
+    pub fn attempt(&self) -> i64 {
+        self.attempt
+    }
+
+    /// The advisory key, in advisory mode.
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// The row, as the queue's row type.
+    pub fn payload(&self) -> &T {
+        &self.payload
+    }
+
+    /// The row, taken out of the job.
+    pub fn into_payload(self) -> T {
+        self.payload
+    }
+
+    /// The table's name.
+    pub fn table(&self) -> &str {
+        self.table.name()
+    }
+
+    /// In lease mode, the lease expiry (unix milliseconds) the job's claim wrote; the
+    /// subscription renews it every half lease while the handler runs.
+    pub fn lease_expires_ms(&self) -> Option<i64> {
+        self.lease_expires_ms
+    }
+}
+
+/// The transaction a row lock delivery's claim opened, lent to a handler subscribed with
+/// [`Queue::subscribe_with_transaction`](crate::Queue::subscribe_with_transaction): what the
+/// handler writes through it commits with the ack in one commit, and rolls back with a retry or
+/// dead letter while the row stays locked.
+///
+/// Use it only inside the handler: once the handler returns, the subscription takes the
+/// transaction back to settle the row.
+pub struct JobTransaction<B: Backend> {
+    slot: Arc<tokio::sync::Mutex<Option<TxHold<B>>>>,
+    table: Arc<TableDescription>,
+}
+
+impl<B: Backend> Clone for JobTransaction<B> {
+    fn clone(&self) -> Self {
         Self {
-            token: Mutex::new(token),
-            lost: AtomicBool::new(false),
+            slot: self.slot.clone(),
+            table: self.table.clone(),
         }
-    }
-    pub(crate) fn token(&self) -> LeaseToken {
-        *self.token.lock().unwrap_or_else(|p| p.into_inner())
-    }
-    pub(crate) fn set(&self, token: LeaseToken) {
-        *self.token.lock().unwrap_or_else(|p| p.into_inner()) = token;
-    }
-    /// The settlement that gives the row back, due at once, while it still holds this lease.
-    pub(crate) fn release(&self, id: i64) -> Settle {
-        Settle {
-            id,
-            action: Action::Retry { due_ms: None },
-            now_ms: clock::now_ms(),
-            attempt: self.token().attempt,
-        }
-    }
-
-    pub(crate) fn mark_lost(&self) {
-        self.lost.store(true, Ordering::SeqCst);
-    }
-    pub(crate) fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::SeqCst)
     }
 }
 
-/// A held advisory key; unlocks (in a clean-up task) when dropped unsettled.
-pub(crate) struct KeyHold<B: Backend> {
-    queue: Arc<QueueInner<B>>,
-    key: String,
-    lock: Option<<B::Advisory as AdvisoryStrategy>::KeyLock>,
+impl<B: Backend> std::fmt::Debug for JobTransaction<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobTransaction").finish_non_exhaustive()
+    }
 }
 
-impl<B: Backend> KeyHold<B> {
-    pub(crate) fn new(
-        queue: Arc<QueueInner<B>>,
-        key: String,
-        lock: <B::Advisory as AdvisoryStrategy>::KeyLock,
-    ) -> Self {
-        Self {
-            queue,
-            key,
-            lock: Some(lock),
-        }
-    }
+/// The delivery's transaction, borrowed from a [`JobTransaction`]; it dereferences to the
+/// sqlx transaction (`&mut **tx` is an executor).
+pub struct TxGuard<'a, B: Backend> {
+    guard: tokio::sync::MutexGuard<'a, Option<TxHold<B>>>,
+}
 
-    pub(crate) fn lock_mut(&mut self) -> &mut <B::Advisory as AdvisoryStrategy>::KeyLock {
-        self.lock
+impl<B: Backend> std::ops::Deref for TxGuard<'_, B> {
+    type Target = Transaction<'static, B::Db>;
+    fn deref(&self) -> &Self::Target {
+        self.guard
+            .as_ref()
+            .expect("a guard is only made over a lent transaction")
+            .tx()
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for TxGuard<'_, B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.guard
             .as_mut()
-            .expect("a key hold keeps its lock until unlocked")
+            .expect("a guard is only made over a lent transaction")
+            .tx_mut()
     }
+}
 
-    pub(crate) async fn unlock(mut self) -> Result<()> {
-        let lock = self
-            .lock
-            .take()
-            .expect("a key hold keeps its lock until unlocked");
-        let result = match &self.queue.prepared {
-            Prepared::Advisory(s) => s.unlock(lock).await,
-            _ => unreachable!("a key hold comes from an advisory queue"),
+impl<B: Backend> JobTransaction<B> {
+    /// The transaction. The first call marks where the handler's writes begin (a savepoint, one
+    /// statement); a handler that never calls it costs none.
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Unsupported`] when the handler already returned (the subscription
+    /// took the transaction back), or the statement that sets the mark failed (e.g. the
+    /// connection was lost); the row is then settled or released as usual.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled first call may leave the connection mid-statement; the
+    /// settlement then fails and the transaction rolls back.
+    pub async fn get(&self) -> Result<TxGuard<'_, B>> {
+        let mut guard = self.slot.lock().await;
+        let Some(hold) = guard.as_mut() else {
+            return Err(SqlxBrokerError::Unsupported {
+                table: self.table.name().to_owned(),
+                message: "the delivery's transaction was used after its handler returned; use it only inside the handler".into(),
+            });
         };
-        self.queue.broker.forget_key(&self.key);
-        result
+        hold.transaction().await?;
+        Ok(TxGuard { guard })
     }
 }
 
-impl<B: Backend> Drop for KeyHold<B> {
-    fn drop(&mut self) {
-        let Some(lock) = self.lock.take() else { return };
-        let queue = self.queue.clone();
-        let key = std::mem::take(&mut self.key);
-        let broker = queue.broker.clone();
-        // Unlocking needs a statement; run it in a tracked clean-up task. Without a runtime the
-        // lock's own drop frees the key (its connection closes).
-        broker.spawn_cleanup(async move {
-            if let Prepared::Advisory(s) = &queue.prepared
-                && let Err(e) = s.unlock(lock).await
-            {
-                tracing::warn!(table = queue.name(), key, error = %e, "unlock of a dropped delivery failed");
-            }
-            queue.broker.forget_key(&key);
-        });
-    }
-}
-
-/// One claimed row in work: its columns, its attempt, and what holds it.
+/// One claimed row in work: its columns, its attempt, and what holds it. [`Queue::claim`]
+/// hands these out for settling by hand; subscriptions hand their handlers a [`Job`] instead.
 ///
 /// Settle it with [`ack`](Self::ack), [`retry`](Self::retry),
 /// [`retry_after`](Self::retry_after), [`dead_letter`](Self::dead_letter) or
 /// [`settle`](Self::settle); each consumes the delivery, so it cannot be settled twice.
+///
+/// [`Queue::claim`]: crate::Queue::claim
 ///
 /// # Dropped without settlement
 /// - row lock: the transaction rolls back (with any writes made through it); the row is due again
@@ -153,11 +190,12 @@ impl<B: Backend> Drop for KeyHold<B> {
 /// - advisory lock: the key is unlocked in a clean-up task; the attempt counted at the take
 ///   stays counted.
 pub struct Delivery<B: Backend, T> {
-    queue: Arc<QueueInner<B>>,
+    queue: Arc<Shared<B>>,
     id: i64,
     attempt: i64,
     key: Option<String>,
-    row: T,
+    /// The row; a subscription moves it into the handler's [`Job`].
+    row: Option<T>,
     hold: Option<Hold<B>>,
     /// Settlements of this row that failed in a row before this delivery.
     settle_failures: u32,
@@ -174,6 +212,29 @@ impl<B: Backend, T> std::fmt::Debug for Delivery<B, T> {
     }
 }
 
+/// Claims up to `limit` rows as deliveries; rows whose attempts are spent or that do not decode
+/// are settled on the spot (see [`Delivery::from_claim`]).
+pub(crate) async fn claim<B, T>(queue: &QueueInner<B>, limit: usize) -> Result<Vec<Delivery<B, T>>>
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+{
+    if queue.shared.broker.closed.load(Ordering::SeqCst) {
+        return Err(SqlxBrokerError::Closed {
+            table: queue.shared.name().to_owned(),
+            what: "a claim".into(),
+        });
+    }
+    let claimed = queue.claim(limit.max(1)).await?;
+    let mut out = Vec::with_capacity(claimed.len());
+    for (row, hold) in claimed {
+        if let Some(d) = Delivery::from_claim(queue.shared.clone(), row, hold).await {
+            out.push(d);
+        }
+    }
+    Ok(out)
+}
+
 impl<B: Backend, T> Delivery<B, T>
 where
     T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
@@ -181,17 +242,14 @@ where
     /// Builds a delivery from a claimed row, or settles the row at once when its attempts are
     /// spent (dead letter) or it does not decode (retry, attempt counted).
     pub(crate) async fn from_claim(
-        queue: Arc<QueueInner<B>>,
+        queue: Arc<Shared<B>>,
         claimed: ClaimedRow<B::Db>,
         hold: Hold<B>,
     ) -> Option<Self> {
         let id = claimed.id;
         let attempt = claimed.attempt;
         let now_ms = clock::now_ms();
-        let spent = queue
-            .table
-            .max_attempts()
-            .is_some_and(|max| attempt > i64::from(max));
+        let spent = attempts::spent(&queue.table, attempt);
         let failed = queue.settle_failures.get(id);
         let failures = failed.as_ref().map_or(0, |(n, _)| *n);
         // A row whose settlement failed again and again would fail again: it goes to the dead
@@ -210,7 +268,7 @@ where
                 id,
                 attempt,
                 key: claimed.key,
-                row,
+                row: Some(row),
                 hold: Some(hold),
                 settle_failures: failures,
             }),
@@ -236,9 +294,9 @@ where
                     id,
                     action: Action::DeadLetter,
                     now_ms,
-                    attempt: queue.held_attempt(attempt),
+                    attempt: attempts::held(queue.table.mode(), attempt),
                 };
-                match queue.settle_hold(hold, settle).await {
+                match hold.settle(settle).await {
                     Ok(()) => {
                         queue.settle_failures.clear(id);
                         Metrics::add(&queue.metrics.dead_lettered, 1);
@@ -258,14 +316,14 @@ where
                     source,
                 };
                 tracing::error!(table = queue.name(), id, attempt, error = %error, "claimed row does not decode");
-                let action = queue.retry_or_dead(attempt, None);
+                let action = attempts::retry_or_dead(&queue.table, attempt, None);
                 let settle = Settle {
                     id,
                     action,
                     now_ms,
-                    attempt: queue.held_attempt(attempt),
+                    attempt: attempts::held(queue.table.mode(), attempt),
                 };
-                match queue.settle_hold(hold, settle).await {
+                match hold.settle(settle).await {
                     Ok(()) if action == Action::DeadLetter => {
                         Metrics::add(&queue.metrics.dead_lettered, 1);
                     }
@@ -296,9 +354,11 @@ impl<B: Backend, T> Delivery<B, T> {
         self.key.as_deref()
     }
 
-    /// The row as the handler's type.
+    /// The row as the queue's row type.
     pub fn payload(&self) -> &T {
-        &self.row
+        self.row
+            .as_ref()
+            .expect("a delivery settled by hand keeps its row")
     }
 
     /// The table's name.
@@ -316,7 +376,7 @@ impl<B: Backend, T> Delivery<B, T> {
     /// other modes.
     ///
     /// The first call marks where the handler's writes begin (a savepoint, one statement); a
-    /// handler that never asks for the transaction costs none.
+    /// delivery that never asks for the transaction costs none.
     ///
     /// # Errors
     /// The statement that sets the mark failed (e.g. the connection was lost); the delivery
@@ -326,36 +386,16 @@ impl<B: Backend, T> Delivery<B, T> {
     /// Not cancel safe: a cancelled first call may leave the connection mid-statement; settle
     /// or drop the delivery afterwards (its transaction then rolls back).
     pub async fn transaction(&mut self) -> Result<Option<&mut Transaction<'static, B::Db>>> {
-        let Some(Hold::Tx(tx, writes_began)) = &mut self.hold else {
-            return Ok(None);
-        };
-        if !*writes_began {
-            let Prepared::RowLock(s) = &self.queue.prepared else {
-                unreachable!("a transaction hold comes from a row lock queue")
-            };
-            s.begin_writes(tx).await?;
-            *writes_began = true;
+        match &mut self.hold {
+            Some(Hold::RowLock(h)) => Ok(Some(h.transaction().await?)),
+            _ => Ok(None),
         }
-        Ok(Some(tx))
     }
 
     /// The lease expiry this delivery holds (unix milliseconds), in lease mode.
     pub fn lease_expires_ms(&self) -> Option<i64> {
         match &self.hold {
-            Some(Hold::Lease(cell)) => Some(cell.token().expires_ms),
-            _ => None,
-        }
-    }
-
-    /// How many settlements of this row failed in a row before this delivery (the engine backs
-    /// off that much before running it).
-    pub(crate) fn settle_failures(&self) -> u32 {
-        self.settle_failures
-    }
-
-    pub(crate) fn lease_cell(&self) -> Option<Arc<LeaseCell>> {
-        match &self.hold {
-            Some(Hold::Lease(cell)) => Some(cell.clone()),
+            Some(Hold::Lease(h)) => Some(h.cell().token().expires_ms),
             _ => None,
         }
     }
@@ -369,10 +409,66 @@ impl<B: Backend, T> Delivery<B, T> {
     /// in the row; the delivery keeps the old token, so a settlement after a cancelled renewal
     /// that did land returns [`SqlxBrokerError::LeaseLost`]. Prefer letting it finish.
     pub async fn renew(&mut self) -> Result<()> {
-        let Some(Hold::Lease(cell)) = &self.hold else {
-            return Ok(());
+        match &self.hold {
+            Some(Hold::Lease(h)) => h.renewer().renew().await,
+            _ => Ok(()),
+        }
+    }
+
+    /// How many settlements of this row failed in a row before this delivery (the engine backs
+    /// off that much before running it).
+    pub(crate) fn settle_failures(&self) -> u32 {
+        self.settle_failures
+    }
+
+    /// What the engine's renewal loop needs, in lease mode.
+    pub(crate) fn renewer(&self) -> Option<Renewer<B>> {
+        match &self.hold {
+            Some(Hold::Lease(h)) => Some(h.renewer()),
+            _ => None,
+        }
+    }
+
+    /// Moves the row into the [`Job`] a handler owns.
+    pub(crate) fn take_job(&mut self) -> Job<T> {
+        Job {
+            id: self.id,
+            attempt: self.attempt,
+            key: self.key.clone(),
+            payload: self
+                .row
+                .take()
+                .expect("a delivery hands its row to one handler"),
+            table: self.queue.table.clone(),
+            lease_expires_ms: self.lease_expires_ms(),
+        }
+    }
+
+    /// Lends the row lock transaction to the handler; `None` in the other modes.
+    pub(crate) fn lend_transaction(&mut self) -> Option<JobTransaction<B>> {
+        match self.hold.take() {
+            Some(Hold::RowLock(h)) => Some(JobTransaction {
+                slot: Arc::new(tokio::sync::Mutex::new(Some(h))),
+                table: self.queue.table.clone(),
+            }),
+            other => {
+                self.hold = other;
+                None
+            }
+        }
+    }
+
+    /// Takes a lent transaction back. A handler that still holds it (in a task it spawned)
+    /// keeps it; the delivery then cannot settle, and the transaction rolls back when the
+    /// last handle drops.
+    pub(crate) fn take_back(&mut self, lent: JobTransaction<B>) {
+        let taken = match lent.slot.try_lock() {
+            Ok(mut guard) => guard.take(),
+            Err(_) => None,
         };
-        renew_lease(&self.queue, self.id, cell).await
+        if let Some(h) = taken {
+            self.hold = Some(Hold::RowLock(h));
+        }
     }
 
     /// Acks: deletes the row, or sets `processed_at`.
@@ -407,10 +503,15 @@ impl<B: Backend, T> Delivery<B, T> {
     pub async fn settle(mut self, outcome: Outcome) -> Result<()> {
         let queue = self.queue.clone();
         let table = &queue.table;
-        let hold = self
-            .hold
-            .take()
-            .expect("an unsettled delivery has its hold");
+        let Some(hold) = self.hold.take() else {
+            return Err(SqlxBrokerError::Unsupported {
+                table: table.name().to_owned(),
+                message: format!(
+                    "row {} cannot be settled: its handler kept the delivery's transaction beyond its return (the transaction rolls back when that handle drops); use the transaction only inside the handler",
+                    self.id
+                ),
+            });
+        };
         if queue.broker.closed.load(Ordering::SeqCst) {
             drop(hold);
             return Err(SqlxBrokerError::Closed {
@@ -422,9 +523,9 @@ impl<B: Backend, T> Delivery<B, T> {
         let action = match outcome {
             Outcome::Ack => Action::Ack,
             Outcome::DeadLetter => Action::DeadLetter,
-            Outcome::Retry => queue.retry_or_dead(self.attempt, None),
+            Outcome::Retry => attempts::retry_or_dead(table, self.attempt, None),
             Outcome::RetryAfter(delay) if delay.is_zero() => {
-                queue.retry_or_dead(self.attempt, None)
+                attempts::retry_or_dead(table, self.attempt, None)
             }
             Outcome::RetryAfter(delay) => {
                 if table.due_at().is_none() {
@@ -437,7 +538,7 @@ impl<B: Backend, T> Delivery<B, T> {
                         ),
                     });
                 }
-                queue.retry_or_dead(self.attempt, Some(clock::due_ms(now_ms, delay)))
+                attempts::retry_or_dead(table, self.attempt, Some(clock::due_ms(now_ms, delay)))
             }
         };
         if action == Action::DeadLetter && table.dead_letter().is_none() {
@@ -454,9 +555,9 @@ impl<B: Backend, T> Delivery<B, T> {
             id: self.id,
             action,
             now_ms,
-            attempt: queue.held_attempt(self.attempt),
+            attempt: attempts::held(table.mode(), self.attempt),
         };
-        if let Err(e) = queue.settle_hold(hold, settle).await {
+        if let Err(e) = hold.settle(settle).await {
             queue.settle_failed(self.id, &e);
             return Err(e);
         }
@@ -478,62 +579,5 @@ impl<B: Backend, T> Delivery<B, T> {
             "settled"
         );
         Ok(())
-    }
-}
-
-/// Moves a lease forward from the token the cell holds; marks the cell lost when the row no longer
-/// holds it.
-pub(crate) async fn renew_lease<B: Backend>(
-    queue: &QueueInner<B>,
-    id: i64,
-    cell: &LeaseCell,
-) -> Result<()> {
-    let Prepared::Lease(s) = &queue.prepared else {
-        return Ok(());
-    };
-    if cell.is_lost() {
-        return Err(SqlxBrokerError::LeaseLost {
-            table: queue.name().to_owned(),
-            id,
-        });
-    }
-    let token = cell.token();
-    let expires_ms = clock::lease_expiry_ms(clock::now_ms(), queue.table.lease_seconds());
-    if expires_ms == token.expires_ms {
-        return Ok(());
-    }
-    if s.renew(id, token, expires_ms).await? {
-        cell.set(LeaseToken {
-            expires_ms,
-            attempt: token.attempt,
-        });
-        Ok(())
-    } else {
-        cell.mark_lost();
-        Err(queue.lost(id).await)
-    }
-}
-
-impl<B: Backend, T> Drop for Delivery<B, T> {
-    fn drop(&mut self) {
-        let Some(hold) = self.hold.take() else { return };
-        match hold {
-            // The transaction rolls back as it drops.
-            Hold::Tx(tx, _) => drop(tx),
-            // The key unlocks through KeyHold's drop.
-            Hold::Key(k) => drop(k),
-            Hold::Lease(cell) => {
-                let queue = self.queue.clone();
-                let id = self.id;
-                let broker = queue.broker.clone();
-                broker.spawn_cleanup(async move {
-                    if let Prepared::Lease(s) = &queue.prepared
-                        && let Err(e) = s.settle(cell.token(), cell.release(id)).await
-                    {
-                        tracing::warn!(table = queue.name(), id, error = %e, "release of a dropped lease failed; it runs out instead");
-                    }
-                });
-            }
-        }
     }
 }

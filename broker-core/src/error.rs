@@ -1,6 +1,6 @@
 //! The one error type of sqlx-broker.
 
-use crate::table::ClaimMode;
+use crate::claim_mode::ClaimMode;
 
 /// Every error sqlx-broker returns.
 ///

@@ -63,30 +63,49 @@
 //! are whole seconds, so a time column without fractions fences exactly.
 
 mod broker;
+mod claim_mode;
 pub mod clock;
 mod delivery;
 pub mod doctor;
 mod error;
+mod inner;
 mod metrics;
+mod mode;
 mod payload;
 mod publish;
 pub mod strategy;
 mod subscription;
 mod table;
 
-pub use broker::{Broker, Queue, SETTLE_FAILURE_LIMIT};
-pub use delivery::{Delivery, Outcome};
+pub use broker::{Broker, Queue};
+pub use claim_mode::ClaimMode;
+pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use error::{Result, SqlxBrokerError};
+pub use inner::SETTLE_FAILURE_LIMIT;
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Value};
 pub use strategy::{Backend, Capabilities, RowState};
 pub use subscription::{
-    BoxError, BoxFuture, HandlerResult, Health, MIN_POLL_INTERVAL, ShutdownReport,
+    BoxError, BoxFuture, HandlerResult, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
     SubscribeOptions, Subscription,
 };
 pub use table::{
-    ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
+    ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
     TableBuilder, TableDescription,
 };
+
+/// The user API, in one glob: every backend crate re-exports it at its root
+/// (`pub use broker_core::api::*`), so an application depends on one backend crate alone.
+/// What backends implement lives in [`strategy`] and is not part of it.
+pub mod api {
+    pub use crate::{
+        BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter,
+        Delivery, DoctorOptions, DoctorReport, HandlerResult, Health, IntoOutcome, IsolationLevel,
+        Job, JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob,
+        Outcome, Payload, Queue, Result, RowState, SETTLE_FAILURE_LIMIT, ShutdownReport,
+        SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder, TableDescription,
+        TxGuard, Value,
+    };
+}

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use sqlx::{Database, Pool, Transaction};
 
+use crate::claim_mode::ClaimMode;
 use crate::doctor::{Check, DoctorOptions};
 use crate::error::Result;
 use crate::publish::NewJob;
 pub use crate::publish::PublishPlan;
-use crate::table::{ClaimMode, TableDescription};
+use crate::table::TableDescription;
 
 /// Column aliases every backend gives the broker's own columns in a claimed row, so core code
 /// and [`Payload`](crate::Payload) can read them whatever the table calls them.

@@ -15,12 +15,13 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use crate::broker::Queue;
-use crate::delivery::{Delivery, Outcome, renew_lease};
+use crate::claim_mode::ClaimMode;
+use crate::delivery::{self, Delivery, Job, JobTransaction, Outcome};
 use crate::error::SqlxBrokerError;
 use crate::metrics::{InWork, Metrics, MetricsSnapshot};
+use crate::mode::QueueInner;
 use crate::strategy::Backend;
-use crate::table::{ClaimMode, TableDescription};
+use crate::table::TableDescription;
 
 /// A boxed, sendable future, as handlers return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -205,27 +206,82 @@ impl SubscribeOptions {
     }
 }
 
+/// What a handler's future may return: an [`Outcome`], or a `Result` of one with any error
+/// that converts into [`BoxError`] (an error becomes a retry, with the subscription's backoff).
+pub trait IntoOutcome {
+    /// The outcome, or the handler's error.
+    fn into_outcome(self) -> HandlerResult;
+}
+
+impl IntoOutcome for Outcome {
+    fn into_outcome(self) -> HandlerResult {
+        Ok(self)
+    }
+}
+
+impl<E: Into<BoxError>> IntoOutcome for Result<Outcome, E> {
+    fn into_outcome(self) -> HandlerResult {
+        self.map_err(Into::into)
+    }
+}
+
+type HandlerFn<B, T> =
+    dyn Fn(Job<T>, Option<JobTransaction<B>>) -> BoxFuture<'static, HandlerResult> + Send + Sync;
+
 /// The handler, boxed once so the engine's tasks can share it.
 pub(crate) struct Handler<B: Backend, T> {
-    #[allow(clippy::type_complexity)]
-    f: Arc<dyn for<'a> Fn(&'a mut Delivery<B, T>) -> BoxFuture<'a, HandlerResult> + Send + Sync>,
+    f: Arc<HandlerFn<B, T>>,
+    /// Whether the handler takes the row lock transaction.
+    lends_transaction: bool,
 }
 
 impl<B: Backend, T> Clone for Handler<B, T> {
     fn clone(&self) -> Self {
-        Self { f: self.f.clone() }
+        Self {
+            f: self.f.clone(),
+            lends_transaction: self.lends_transaction,
+        }
     }
 }
 
-impl<B: Backend, T> Handler<B, T> {
-    pub(crate) fn new<F>(f: F) -> Self
+impl<B: Backend, T: Send + 'static> Handler<B, T> {
+    /// A handler of jobs.
+    pub(crate) fn plain<F, Fut>(f: F) -> Self
     where
-        F: for<'a> Fn(&'a mut Delivery<B, T>) -> BoxFuture<'a, HandlerResult>
-            + Send
-            + Sync
-            + 'static,
+        F: Fn(Job<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future + Send + 'static,
+        Fut::Output: IntoOutcome,
     {
-        Self { f: Arc::new(f) }
+        let f = Arc::new(f);
+        Self {
+            // The call runs inside the boxed future, so a panic in the handler's synchronous
+            // part is caught like one in its body.
+            f: Arc::new(move |job, _| {
+                let f = f.clone();
+                Box::pin(async move { f(job).await.into_outcome() })
+            }),
+            lends_transaction: false,
+        }
+    }
+
+    /// A handler of jobs and their row lock transaction.
+    pub(crate) fn with_transaction<F, Fut>(f: F) -> Self
+    where
+        F: Fn(Job<T>, JobTransaction<B>) -> Fut + Send + Sync + 'static,
+        Fut: Future + Send + 'static,
+        Fut::Output: IntoOutcome,
+    {
+        let f = Arc::new(f);
+        Self {
+            f: Arc::new(move |job, tx: Option<JobTransaction<B>>| {
+                let f = f.clone();
+                Box::pin(async move {
+                    let tx = tx.expect("a row lock delivery lends its transaction");
+                    f(job, tx).await.into_outcome()
+                })
+            }),
+            lends_transaction: true,
+        }
     }
 }
 
@@ -308,7 +364,7 @@ impl Health {
 }
 
 pub(crate) fn start<B, T>(
-    queue: Queue<B, T>,
+    queue: Arc<QueueInner<B>>,
     mut options: SubscribeOptions,
     handler: Handler<B, T>,
 ) -> crate::Result<Subscription>
@@ -316,11 +372,20 @@ where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    options.check(queue.inner.table.name())?;
+    options.check(queue.shared.name())?;
+    if handler.lends_transaction && queue.shared.table.mode() != ClaimMode::RowLock {
+        return Err(SqlxBrokerError::Unsupported {
+            table: queue.shared.name().to_owned(),
+            message: format!(
+                "subscribe_with_transaction lends the row lock transaction, and this table is in {:?} mode, which holds none; use subscribe",
+                queue.shared.table.mode()
+            ),
+        });
+    }
     fit_to_pool(&mut options, &queue);
     let (stop, stop_rx) = watch::channel(false);
-    let metrics_queue = queue.clone();
-    let metrics = Arc::new(move || metrics_queue.metrics());
+    let metrics_queue = queue.shared.clone();
+    let metrics = Arc::new(move || metrics_queue.metrics.snapshot());
     let health = Arc::new(Mutex::new(Health::default()));
     let task = tokio::spawn(run(queue, options, handler, stop_rx, health.clone()));
     Ok(Subscription {
@@ -332,10 +397,10 @@ where
 }
 
 /// The pool size the engine plans with.
-fn pool_size<B: Backend, T>(queue: &Queue<B, T>) -> usize {
+fn pool_size<B: Backend>(queue: &QueueInner<B>) -> usize {
     usize::try_from(
         queue
-            .inner
+            .shared
             .broker
             .backend
             .pool()
@@ -357,12 +422,19 @@ fn claims_for_pool(pool: usize) -> usize {
 /// serves, each with a warning. Beyond the pool, more workers only queue for connections: at
 /// concurrency 10,000 on a pool of 5, claims and settlements timed out by the hundred thousand
 /// and throughput fell below that of 8 workers.
-fn fit_to_pool<B: Backend, T>(options: &mut SubscribeOptions, queue: &Queue<B, T>) {
+fn fit_to_pool<B: Backend>(options: &mut SubscribeOptions, queue: &QueueInner<B>) {
     let pool = pool_size(queue);
-    let table = &queue.inner.table;
+    let table = &queue.shared.table;
     let holds_connection = match table.mode() {
         ClaimMode::RowLock => true,
-        ClaimMode::Advisory => !queue.inner.broker.backend.capabilities().process_local_keys,
+        ClaimMode::Advisory => {
+            !queue
+                .shared
+                .broker
+                .backend
+                .capabilities()
+                .process_local_keys
+        }
         ClaimMode::Lease => false,
     };
     let most = (pool * 3 / 4).max(1);
@@ -448,7 +520,7 @@ enum Next {
 
 /// What every delivery task of a subscription shares.
 struct Engine<B: Backend, T> {
-    queue: Queue<B, T>,
+    queue: Arc<QueueInner<B>>,
     handler: Handler<B, T>,
     options: Arc<SubscribeOptions>,
     /// One permit per delivery whose handler runs.
@@ -465,7 +537,7 @@ struct Engine<B: Backend, T> {
 }
 
 async fn run<B, T>(
-    queue: Queue<B, T>,
+    queue: Arc<QueueInner<B>>,
     options: SubscribeOptions,
     handler: Handler<B, T>,
     mut stop: watch::Receiver<bool>,
@@ -475,7 +547,7 @@ where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let inner = queue.inner.clone();
+    let inner = queue.shared.clone();
     let table = inner.table.clone();
     let span =
         tracing::info_span!("subscription", subscription = %options.name, table = table.name());
@@ -618,7 +690,7 @@ where
         handlers.spawn(
             async move {
                 let freed = e.freed.load(Ordering::SeqCst);
-                let result = e.queue.claim(permits.num_permits()).await;
+                let result = delivery::claim::<B, T>(&e.queue, permits.num_permits()).await;
                 let (next, mut rows) = e.sort_claim(result, permits, freed);
                 let first = (!rows.is_empty()).then(|| rows.remove(0));
                 reporter.send(ClaimReport { next, extras: rows });
@@ -708,7 +780,7 @@ where
                 (next, rows)
             }
             Err(e) => {
-                Metrics::add(&self.queue.inner.metrics.claim_errors, 1);
+                Metrics::add(&self.queue.shared.metrics.claim_errors, 1);
                 let failing = self.set_health(Some(e.to_string()));
                 let wait = claim_backoff(self.options.poll_interval, failing);
                 tracing::warn!(parent: &self.span, error = %e, in_a_row = failing, ?wait, "claim failed; trying again after a backoff");
@@ -768,7 +840,7 @@ async fn work<B, T>(
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let inner = &engine.queue.inner;
+    let inner = &engine.queue.shared;
     let options = &engine.options;
     let id = delivery.id();
     let attempt = delivery.attempt();
@@ -777,9 +849,9 @@ async fn work<B, T>(
     // so a prefetched row keeps its lease while it waits for a slot. A renewal statement is
     // never cancelled: when the handler ends mid-statement, the statement finishes first.
     let stop_renewal = Notify::new();
-    let lease = delivery.lease_cell();
+    let renewer = delivery.renewer();
     let renewal = async {
-        let Some(cell) = lease else {
+        let Some(renewer) = renewer else {
             return;
         };
         let half = table_half_lease(inner.table.lease_seconds());
@@ -788,9 +860,9 @@ async fn work<B, T>(
                 _ = tokio::time::sleep(half) => {}
                 _ = stop_renewal.notified() => return,
             }
-            if let Err(e) = renew_lease(inner, id, &cell).await {
+            if let Err(e) = renewer.renew().await {
                 tracing::warn!(table = inner.name(), id, error = %e, "lease renewal failed");
-                if cell.is_lost() {
+                if renewer.is_lost() {
                     return;
                 }
             }
@@ -816,9 +888,18 @@ async fn work<B, T>(
             .await
             .expect("the slot semaphore is never closed");
         let in_work = InWork::enter(&inner.metrics.in_work);
-        let result = CatchUnwind((engine.handler.f)(&mut delivery))
+        let job = delivery.take_job();
+        let lent = if engine.handler.lends_transaction {
+            delivery.lend_transaction()
+        } else {
+            None
+        };
+        let result = CatchUnwind((engine.handler.f)(job, lent.clone()))
             .instrument(span.clone())
             .await;
+        if let Some(lent) = lent {
+            delivery.take_back(lent);
+        }
         // Stored if the renewal is mid-statement; it stops after that statement.
         stop_renewal.notify_one();
         (result, slot, in_work)

@@ -92,7 +92,7 @@ impl MySqlBackend {
             .connect_with(Self::connect_options(url)?)
             .await
             .map_err(connect_error)?;
-        Ok(Broker::new(Self::new(pool)))
+        Ok(Broker::owning_pool(Self::new(pool)))
     }
 
     /// The name `key` is locked under in advisory mode: the pool's database name and the key

@@ -9,11 +9,26 @@
 //! | lease | a `locked_until` column | a locking read `FOR UPDATE SKIP LOCKED`, then one `UPDATE .. WHERE id IN (..)` writing the expiry and counting the attempt, committed at once | the lease runs out (30 s unless set) |
 //! | advisory lock | `advisory_lock = "<template>"` | select due rows with their keys, `GET_LOCK(name, 0)` each key on a connection of its own, count the attempt only while the row is still claimable | the session ends and the server frees the key |
 //!
-//! ```no_run
-//! use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
-//! use broker_mysql::MySqlBackend;
+//! One crate is all you depend on (with tokio): it re-exports the whole user API, and
+//! [`sqlx`] for your own queries. A handler is a plain `async fn` of a [`Job`]; a row lock
+//! handler may also take the claim's transaction, so that its writes commit with the ack:
 //!
-//! # async fn run() -> broker_core::Result<()> {
+//! ```no_run
+//! use broker_mysql::{
+//!     ColumnType, HandlerResult, Job, MySqlBackend, MySqlJobTransaction, NewJob, Outcome,
+//!     Payload, SubscribeOptions, TableDescription,
+//! };
+//!
+//! async fn ship(job: Job<Payload<String>>, tx: MySqlJobTransaction) -> HandlerResult {
+//!     let mut tx = tx.get().await?;
+//!     broker_mysql::sqlx::query("UPDATE orders SET shipped = 1 WHERE ref = ?")
+//!         .bind(&job.payload().0)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(Outcome::Ack) // commits with the ack; a retry or dead letter rolls it back
+//! }
+//!
+//! # async fn run() -> broker_mysql::Result<()> {
 //! let broker = MySqlBackend::connect("mysql://app@127.0.0.1:3306/app").await?;
 //! let table = TableDescription::builder("jobs")
 //!     .payload("payload", ColumnType::Text)
@@ -21,14 +36,8 @@
 //!     .build()?; // no mode set: row lock
 //! broker.create_tables(&table).await?;
 //! let queue = broker.queue::<Payload<String>>(table).await?;
-//! queue.publish(NewJob::new("hello".to_owned())).await?;
-//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), |job| {
-//!     Box::pin(async move {
-//!         // Writes through job.transaction() commit with the ack.
-//!         println!("{}", job.payload().0);
-//!         Ok(Outcome::Ack)
-//!     })
-//! })?;
+//! queue.publish(NewJob::new("order-17".to_owned())).await?;
+//! let sub = queue.subscribe_with_transaction(SubscribeOptions::new().concurrency(4), ship)?;
 //! sub.shutdown().await;
 //! broker.close().await;
 //! # Ok(()) }
@@ -50,7 +59,7 @@
 //!   connection). Long transactions keep old row versions alive (the InnoDB history list grows
 //!   and purge falls behind): prefer lease mode for handlers that run minutes. A retry or dead
 //!   letter rolls back to a savepoint set right after the claim, undoing the handler's writes
-//!   through [`Delivery::transaction`](broker_core::Delivery::transaction) while the row stays
+//!   through the [`JobTransaction`] of [`Queue::subscribe_with_transaction`] while the row stays
 //!   locked, then counts the attempt and commits. A killed connection rolls everything back: the
 //!   row is due again at once and no attempt is used.
 //! - **Times** cross the wire as integers from the epoch and are computed in SQL with
@@ -129,8 +138,17 @@ mod schema;
 mod sql;
 mod version;
 
-pub use advisory::{KeyLock, MAX_LOCK_NAME_CHARS, MySqlAdvisory, lock_name};
+pub use advisory::{MAX_LOCK_NAME_CHARS, lock_name};
 pub use backend::{MySqlBackend, MySqlBroker};
-pub use lease::MySqlLease;
-pub use row_lock::MySqlRowLock;
+pub use broker_core::api::*;
+/// The sqlx this crate is built on, for your own queries in the same transaction as a job.
+pub use sqlx;
+
+/// A prepared table on this database (see [`Queue`]).
+pub type MySqlQueue<T> = Queue<MySqlBackend, T>;
+/// A row claimed by hand on this database (see [`Delivery`]).
+pub type MySqlDelivery<T> = Delivery<MySqlBackend, T>;
+/// A row lock delivery's transaction lent to a handler on this database (see
+/// [`JobTransaction`]).
+pub type MySqlJobTransaction = JobTransaction<MySqlBackend>;
 pub use sql::{ErrorClass, classify, is_transient};

@@ -80,11 +80,9 @@ async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
             SubscribeOptions::new()
                 .concurrency(3)
                 .poll_interval(Duration::from_millis(50)),
-            |_job| {
-                Box::pin(async move {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    Ok(Outcome::Ack)
-                })
+            |_job| async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Outcome::Ack
             },
         )
         .expect("subscribe");

@@ -97,7 +97,7 @@ impl PgBackend {
                 name: "connect",
                 source: e,
             })?;
-        Ok(Broker::new(Self::new(pool)))
+        Ok(Broker::owning_pool(Self::new(pool)))
     }
 }
 

@@ -2,7 +2,7 @@
 //! tables (PostgreSQL 11 or newer).
 //!
 //! All three claim modes are offered; the table description chooses one (see
-//! [`broker_core::ClaimMode`]).
+//! [`ClaimMode`]).
 //!
 //! | mode | claim | what gives a row back when the process dies | attempt counted |
 //! |---|---|---|---|
@@ -10,11 +10,21 @@
 //! | lease (`locked_until`) | one statement: a CTE locks claimable rows `FOR UPDATE SKIP LOCKED`, an `UPDATE` writes the expiry and counts the attempt, `RETURNING` hands them back | the lease runs out (30 s unless set) | at the claim |
 //! | advisory (`advisory_lock = ".."`) | due rows with their keys (keys held anywhere left out), then `pg_try_advisory_lock(hashtextextended(key, 0))` on a connection of its own, then the row if still claimable | the session ends and the server frees the key | at the take |
 //!
-//! ```no_run
-//! use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
-//! use broker_postgres::PgBackend;
+//! One crate is all you depend on (with tokio): it re-exports the whole user API, and
+//! [`sqlx`] for your own queries. A handler is a plain `async fn` of a [`Job`].
 //!
-//! # async fn run() -> broker_core::Result<()> {
+//! ```no_run
+//! use broker_postgres::{
+//!     BoxError, ColumnType, Job, NewJob, Outcome, Payload, PgBackend, SubscribeOptions,
+//!     TableDescription,
+//! };
+//!
+//! async fn greet(job: Job<Payload<String>>) -> Result<Outcome, BoxError> {
+//!     println!("hello, {}", job.payload().0);
+//!     Ok(Outcome::Ack)
+//! }
+//!
+//! # async fn run() -> broker_postgres::Result<()> {
 //! let broker = PgBackend::connect("postgres://app@localhost/app").await?;
 //! let table = TableDescription::builder("jobs")
 //!     .payload("payload", ColumnType::Text)
@@ -23,15 +33,30 @@
 //!     .build()?;
 //! broker.create_tables(&table).await?;
 //! let queue = broker.queue::<Payload<String>>(table).await?;
-//! queue.publish(NewJob::new("hello".to_owned())).await?;
-//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), |job| {
-//!     Box::pin(async move {
-//!         println!("{}", job.payload().0);
-//!         Ok(Outcome::Ack)
-//!     })
-//! })?;
+//! queue.publish(NewJob::new("world".to_owned())).await?;
+//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), greet)?;
 //! sub.shutdown().await;
 //! broker.close().await;
+//! # Ok(()) }
+//! ```
+//!
+//! A row lock table (no mode set) can lend its claim's transaction to the handler, so that what
+//! the handler writes commits with the ack, or not at all:
+//!
+//! ```no_run
+//! use broker_postgres::{Job, Outcome, Payload, PgJobTransaction, PgQueue, SubscribeOptions};
+//!
+//! async fn ship(job: Job<Payload<String>>, tx: PgJobTransaction) -> broker_postgres::HandlerResult {
+//!     let mut tx = tx.get().await?;
+//!     broker_postgres::sqlx::query("UPDATE orders SET shipped = true WHERE ref = $1")
+//!         .bind(&job.payload().0)
+//!         .execute(&mut **tx)
+//!         .await?;
+//!     Ok(Outcome::Ack) // the update commits with the ack; a retry would roll it back
+//! }
+//!
+//! # fn run(queue: PgQueue<Payload<String>>) -> broker_postgres::Result<()> {
+//! let sub = queue.subscribe_with_transaction(SubscribeOptions::new().concurrency(4), ship)?;
 //! # Ok(()) }
 //! ```
 //!
@@ -41,7 +66,8 @@
 //!   it began, in any table, so long handlers bloat busy tables. Prefer lease mode for handlers
 //!   that run longer than a few seconds. Size the pool above the subscription's concurrency.
 //! - **Row lock writes commit with the ack.** A handler may write through
-//!   [`Delivery::transaction`](broker_core::Delivery::transaction); a retry or dead letter rolls
+//!   the [`JobTransaction`] of [`Queue::subscribe_with_transaction`] (or
+//!   [`Delivery::transaction`] on a claim by hand); a retry or dead letter rolls
 //!   those writes back (to a savepoint taken right after the claim) and keeps the row locked
 //!   while it counts the attempt.
 //! - **Advisory mode and `LISTEN` need the session**: connect directly or through a
@@ -55,7 +81,7 @@
 //!   the same hash share a lock. Each delivery in work holds a pool connection, and its
 //!   settlement is fenced on the attempt its take wrote: if the key's session died under the
 //!   handler and the row was claimed again, the settlement changes nothing and returns
-//!   [`SqlxBrokerError::ClaimLost`](broker_core::SqlxBrokerError).
+//!   [`SqlxBrokerError::ClaimLost`].
 //! - **Pool size**: [`PgBackend::connect`] opens up to 16 connections; with your own pool
 //!   ([`PgBackend::new`]) allow the subscriptions' concurrency (row lock and advisory hold one
 //!   connection per delivery in work), two claims, and one `LISTEN` connection per subscription.
@@ -99,8 +125,16 @@ mod schema;
 mod sql;
 mod version;
 
-pub use advisory::{KeyLock, PgAdvisory};
 pub use backend::{PgBackend, PgBroker};
-pub use lease::PgLease;
-pub use row_lock::PgRowLock;
+pub use broker_core::api::*;
+/// The sqlx this crate is built on, for your own queries in the same transaction as a job.
+pub use sqlx;
+
+/// A prepared table on this database (see [`Queue`]).
+pub type PgQueue<T> = Queue<PgBackend, T>;
+/// A row claimed by hand on this database (see [`Delivery`]).
+pub type PgDelivery<T> = Delivery<PgBackend, T>;
+/// A row lock delivery's transaction lent to a handler on this database (see
+/// [`JobTransaction`]).
+pub type PgJobTransaction = JobTransaction<PgBackend>;
 pub use sql::{ErrorClass, classify};

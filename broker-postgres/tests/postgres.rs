@@ -99,11 +99,9 @@ mod case {
                 SubscribeOptions::new()
                     .concurrency(3)
                     .poll_interval(Duration::from_millis(50)),
-                |_job| {
-                    Box::pin(async move {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        Ok(Outcome::Ack)
-                    })
+                |_job| async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Outcome::Ack
                 },
             )
             .expect("subscribe");
@@ -220,7 +218,7 @@ mod case {
         let sub = q
             .subscribe(
                 SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-                |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+                |_job| async move { Outcome::Ack },
             )
             .expect("subscribe");
         // Let the subscription find the table empty and go idle.
@@ -463,7 +461,7 @@ mod case {
         let sub = q
             .subscribe(
                 SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-                |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+                |_job| async move { Outcome::Ack },
             )
             .expect("subscribe");
         tokio::time::sleep(Duration::from_millis(500)).await;

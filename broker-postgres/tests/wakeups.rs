@@ -89,7 +89,7 @@ async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
     let events = Log::default();
     let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
     let sub = q
-        .subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }))
+        .subscribe(deaf_to_polls(), |_job| async { Outcome::Ack })
         .expect("subscribe");
     // Let the subscription find the table empty and go idle.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -153,7 +153,7 @@ async fn publishes_in_callers_transactions_wake_another_process_when_they_commit
     let events = Log::default();
     let listener = listen(&fx.url, &channel(fx.table.name()), events.clone()).await;
     let sub = q
-        .subscribe(deaf_to_polls(), |_job| Box::pin(async { Ok(Outcome::Ack) }))
+        .subscribe(deaf_to_polls(), |_job| async { Outcome::Ack })
         .expect("subscribe");
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Transactions that publish one after another, each committed at once: the first carries

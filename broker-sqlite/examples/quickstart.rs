@@ -6,12 +6,26 @@
 
 use std::time::{Duration, Instant};
 
-use broker_core::{
-    ColumnType, DeadLetter, NewJob, Outcome, Payload, SubscribeOptions, TableDescription,
+use broker_sqlite::{
+    BoxError, ColumnType, DeadLetter, Job, NewJob, Outcome, Payload, SqliteBackend,
+    SubscribeOptions, TableDescription,
 };
-use broker_sqlite::SqliteBackend;
 
 const JOBS: usize = 500;
+
+/// The handler: a plain async function of the job. An error is a retry (after the backoff);
+/// after three attempts the row moves to the dead-letter table.
+async fn send_mail(job: Job<Payload<String>>) -> Result<Outcome, BoxError> {
+    let n: usize = job.payload().0["mail #".len()..].parse()?;
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    if n % 50 == 7 {
+        return Err(format!("mail #{n}: the mail server refuses it").into());
+    }
+    if n.is_multiple_of(10) && job.attempt() == 1 {
+        return Ok(Outcome::RetryAfter(Duration::from_millis(100)));
+    }
+    Ok(Outcome::Ack)
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -47,19 +61,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .concurrency(8)
             .poll_interval(Duration::from_millis(100))
             .error_backoff(Duration::from_millis(50), Duration::from_millis(200)),
-        |job| {
-            Box::pin(async move {
-                let n: usize = job.payload().0["mail #".len()..].parse()?;
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                if n % 50 == 7 {
-                    return Err(format!("mail #{n}: the mail server refuses it").into());
-                }
-                if n.is_multiple_of(10) && job.attempt() == 1 {
-                    return Ok(Outcome::RetryAfter(Duration::from_millis(100)));
-                }
-                Ok(Outcome::Ack)
-            })
-        },
+        send_mail,
     )?;
 
     let expected_dead = (0..JOBS).filter(|n| n % 50 == 7).count() as u64;

@@ -64,7 +64,7 @@ impl SqliteBackend {
                 name: "connect",
                 source: e,
             })?;
-        Ok(Broker::new(Self::new(pool)))
+        Ok(Broker::owning_pool(Self::new(pool)))
     }
 
     /// How many advisory keys this process holds in the backend's database file now.

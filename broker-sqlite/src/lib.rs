@@ -2,18 +2,29 @@
 //!
 //! SQLite has no row locks, so it offers **lease** mode (a `locked_until` column) and
 //! **advisory** mode (an `advisory_lock` template, with keys held in this process). A table with
-//! neither is refused with [`SqlxBrokerError::ModeNotOffered`](broker_core::SqlxBrokerError).
+//! neither is refused with [`SqlxBrokerError::ModeNotOffered`].
 //!
 //! | mode | claim | what gives a row back when the process dies |
 //! |---|---|---|
 //! | lease | one `UPDATE .. RETURNING` writes the expiry and counts the attempt | the lease runs out |
 //! | advisory | select due rows with their keys, take each key in the process's key table, then `UPDATE .. RETURNING` the row if still claimable | nothing is held outside the process |
 //!
-//! ```no_run
-//! use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
-//! use broker_sqlite::SqliteBackend;
+//! One crate is all you depend on (with tokio): it re-exports the whole user API, and
+//! [`sqlx`] for your own queries. A handler is a plain `async fn` of a [`Job`] (or a closure
+//! returning an `async` block).
 //!
-//! # async fn run() -> broker_core::Result<()> {
+//! ```no_run
+//! use broker_sqlite::{
+//!     ColumnType, Job, NewJob, Outcome, Payload, SqliteBackend, SubscribeOptions,
+//!     TableDescription,
+//! };
+//!
+//! async fn greet(job: Job<Payload<String>>) -> Result<Outcome, std::io::Error> {
+//!     println!("hello, {}", job.payload().0);
+//!     Ok(Outcome::Ack)
+//! }
+//!
+//! # async fn run() -> broker_sqlite::Result<()> {
 //! let broker = SqliteBackend::connect("sqlite:jobs.db").await?;
 //! let table = TableDescription::builder("jobs")
 //!     .payload("payload", ColumnType::Text)
@@ -21,14 +32,10 @@
 //!     .build()?;
 //! broker.create_tables(&table).await?;
 //! let queue = broker.queue::<Payload<String>>(table).await?;
-//! queue.publish(NewJob::new("hello".to_owned())).await?;
-//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), |job| {
-//!     Box::pin(async move {
-//!         println!("{}", job.payload().0);
-//!         Ok(Outcome::Ack)
-//!     })
-//! })?;
+//! queue.publish(NewJob::new("world".to_owned())).await?;
+//! let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), greet)?;
 //! sub.shutdown().await;
+//! broker.close().await;
 //! # Ok(()) }
 //! ```
 //!
@@ -55,10 +62,15 @@ mod schema;
 mod sql;
 mod version;
 
-pub use advisory::SqliteAdvisory;
 pub use backend::{SqliteBackend, SqliteBroker};
-pub use keys::KeyLock;
-pub use lease::SqliteLease;
+pub use broker_core::api::*;
+/// The sqlx this crate is built on, for your own queries in the same transaction as a job.
+pub use sqlx;
+
+/// A prepared table on this database (see [`Queue`]).
+pub type SqliteQueue<T> = Queue<SqliteBackend, T>;
+/// A row claimed by hand on this database (see [`Delivery`]).
+pub type SqliteDelivery<T> = Delivery<SqliteBackend, T>;
 
 /// The README's examples, compiled as doctests so they stay true.
 #[doc = include_str!("../../README.md")]

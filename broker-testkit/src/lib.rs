@@ -139,17 +139,24 @@ macro_rules! conformance_suite {
     };
     // Cases of one mode only: row lock's transaction, the fences of lease and advisory.
     (@only $db:ty; row_lock) => {
-        $crate::conformance_suite!(@plain $db; row_lock_handler_writes_commit_with_the_ack_only);
+        $crate::conformance_suite!(@plain $db;
+            row_lock_handler_writes_commit_with_the_ack_only,
+            a_subscribed_handler_writes_through_its_transaction,
+        );
     };
     (@only $db:ty; lease) => {
         $crate::conformance_suite!(@each $db; lease;
             a_stale_holder_cannot_renew,
             a_row_deleted_while_claimed_is_reported_gone,
+            subscribe_with_transaction_outside_row_lock_is_refused,
         );
         $crate::conformance_suite!(@fenced $db; lease);
     };
     (@only $db:ty; advisory) => {
-        $crate::conformance_suite!(@each $db; advisory; a_row_deleted_while_claimed_is_reported_gone);
+        $crate::conformance_suite!(@each $db; advisory;
+            a_row_deleted_while_claimed_is_reported_gone,
+            subscribe_with_transaction_outside_row_lock_is_refused,
+        );
         $crate::conformance_suite!(@fenced $db; advisory);
     };
     (@fenced $db:ty; $mode:ident) => {

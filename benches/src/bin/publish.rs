@@ -238,7 +238,7 @@ async fn subscriber(url: &str, name: &str) -> Result<(), BoxError> {
             |job| {
                 let sent: u128 = job.payload().0.parse().unwrap_or(0);
                 println!("{}", now_us().saturating_sub(sent));
-                Box::pin(async { Ok(Outcome::Ack) })
+                async { Outcome::Ack }
             },
         )
         .expect("subscribe");

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use broker_core::{ClaimMode, DeadLetter, NewJob, Outcome, SubscribeOptions};
+use broker_core::{BoxError, ClaimMode, DeadLetter, NewJob, Outcome, SubscribeOptions};
 
 use super::claim_one;
 use crate::{Fixture, JobText, TestDb, unique_name, wait_until};
@@ -78,7 +78,7 @@ async fn failing_first_attempt<D: TestDb>(mode: ClaimMode, panic: bool) {
                 .error_backoff(Duration::ZERO, Duration::ZERO),
             move |job| {
                 let record = record.clone();
-                Box::pin(async move {
+                async move {
                     record.lock().unwrap().push((job.id(), job.attempt()));
                     if job.attempt() == 1 {
                         if panic {
@@ -86,8 +86,8 @@ async fn failing_first_attempt<D: TestDb>(mode: ClaimMode, panic: bool) {
                         }
                         return Err("the handler fails on its first attempt".into());
                     }
-                    Ok(Outcome::Ack)
-                })
+                    Ok::<_, BoxError>(Outcome::Ack)
+                }
             },
         )
         .expect("subscribe");

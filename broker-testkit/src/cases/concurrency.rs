@@ -28,7 +28,7 @@ fn subscribe_logged<D: TestDb>(
     log: &Shared,
     concurrency: usize,
     hold: Duration,
-    lane: fn(&broker_core::Delivery<D::B, D::Job>) -> String,
+    lane: fn(&broker_core::Job<D::Job>) -> String,
 ) -> Subscription {
     let log = log.clone();
     q.subscribe(
@@ -38,8 +38,8 @@ fn subscribe_logged<D: TestDb>(
             .poll_interval(Duration::from_millis(50)),
         move |job| {
             let log = log.clone();
-            Box::pin(async move {
-                let lane = lane(job);
+            async move {
+                let lane = lane(&job);
                 let start = Instant::now();
                 {
                     let mut l = log.lock().unwrap();
@@ -54,8 +54,8 @@ fn subscribe_logged<D: TestDb>(
                 l.in_work.remove(&lane);
                 *l.handled.entry(job.id()).or_default() += 1;
                 l.spans.push((lane, job.id(), start, Instant::now()));
-                Ok(Outcome::Ack)
-            })
+                Outcome::Ack
+            }
         },
     )
     .expect("subscribe")
@@ -81,7 +81,7 @@ pub async fn two_subscriptions_never_hold_one_row<D: TestDb>(mode: ClaimMode) {
     let q2 = fx.other_queue().await;
     let ids = fx.publish(&q1, 240).await;
     let log = Shared::default();
-    let row = |d: &broker_core::Delivery<D::B, D::Job>| format!("row {}", d.id());
+    let row = |d: &broker_core::Job<D::Job>| format!("row {}", d.id());
     let s1 = subscribe_logged::<D>(&q1, &log, 4, Duration::from_millis(1), row);
     let s2 = subscribe_logged::<D>(&q2, &log, 4, Duration::from_millis(1), row);
     drain(&log, ids.len()).await;
@@ -112,7 +112,7 @@ pub async fn rows_with_one_key_never_overlap_while_other_keys_run<D: TestDb>() {
         .collect();
     let ids = q1.publish_batch(&jobs).await.unwrap();
     let log = Shared::default();
-    let key = |d: &broker_core::Delivery<D::B, D::Job>| {
+    let key = |d: &broker_core::Job<D::Job>| {
         d.key()
             .expect("advisory deliveries carry their key")
             .to_owned()
@@ -162,7 +162,7 @@ pub async fn fifo_groups_run_in_order_one_at_a_time<D: TestDb>(mode: ClaimMode) 
         .collect();
     let ids = q1.publish_batch(&jobs).await.unwrap();
     let log = Shared::default();
-    let group = |d: &broker_core::Delivery<D::B, D::Job>| {
+    let group = |d: &broker_core::Job<D::Job>| {
         let i: usize = d.payload().text()["job-".len()..].parse().unwrap();
         format!("g{}", i % 4)
     };

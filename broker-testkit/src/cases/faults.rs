@@ -59,12 +59,10 @@ async fn child_worker<D: TestDb>(spec: &str) {
     let _sub = queue
         .subscribe(
             SubscribeOptions::new().concurrency(4).batch_size(4),
-            |job| {
-                Box::pin(async move {
-                    println!("STARTED {} {}", job.id(), job.attempt());
-                    tokio::time::sleep(Duration::from_secs(300)).await;
-                    Ok(Outcome::Ack)
-                })
+            |job| async move {
+                println!("STARTED {} {}", job.id(), job.attempt());
+                tokio::time::sleep(Duration::from_secs(300)).await;
+                Outcome::Ack
             },
         )
         .expect("subscribe");
@@ -240,7 +238,7 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
                 .error_backoff(Duration::ZERO, Duration::ZERO),
             move |job| {
                 let history = history.clone();
-                Box::pin(async move {
+                async move {
                     let i: usize = job.payload().text()["job-".len()..].parse().unwrap();
                     let at = history.start(
                         index,
@@ -254,8 +252,8 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
                     // deliveries run between kills and get every check.
                     tokio::time::sleep(Duration::from_millis(150)).await;
                     history.finish(at, Recorded::Ack);
-                    Ok(Outcome::Ack)
-                })
+                    Outcome::Ack
+                }
             },
         )
         .expect("subscribe")

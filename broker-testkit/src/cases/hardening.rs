@@ -189,7 +189,7 @@ where
                 .error_backoff(Duration::from_millis(10), Duration::from_millis(40)),
             move |_job| {
                 counted.fetch_add(1, Ordering::SeqCst);
-                Box::pin(async { Ok(Outcome::RetryAfter(TWO_CENTURIES)) })
+                async { Outcome::RetryAfter(TWO_CENTURIES) }
             },
         )
         .expect("subscribe");
@@ -229,7 +229,7 @@ pub async fn a_settlement_that_always_fails_without_dead_letters_backs_off<D: Te
                 .error_backoff(Duration::ZERO, Duration::ZERO),
             move |_job| {
                 counted.fetch_add(1, Ordering::SeqCst);
-                Box::pin(async { Ok(Outcome::RetryAfter(TWO_CENTURIES)) })
+                async { Outcome::RetryAfter(TWO_CENTURIES) }
             },
         )
         .expect("subscribe");
@@ -338,7 +338,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
     ];
     for (options, name) in cases {
         let err = q
-            .subscribe(options, |_job| Box::pin(async { Ok(Outcome::Ack) }))
+            .subscribe(options, |_job| async { Outcome::Ack })
             .expect_err(name);
         match &err {
             SqlxBrokerError::InvalidOption { option, table, .. } => {
@@ -356,7 +356,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
                 .poll_interval(Duration::MAX)
                 .shutdown_timeout(Duration::MAX)
                 .error_backoff(Duration::MAX, Duration::MAX),
-            |_job| Box::pin(async { Ok(Outcome::Ack) }),
+            |_job| async { Outcome::Ack },
         )
         .expect("extreme valid options");
     let id = publish_own_keys(&fx, &q, 1).await[0];
@@ -378,7 +378,7 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
     let sub = q
         .subscribe(
             SubscribeOptions::new().poll_interval(Duration::from_millis(50)),
-            |_job| Box::pin(async { Ok(Outcome::Ack) }),
+            |_job| async { Outcome::Ack },
         )
         .expect("subscribe");
     assert!(sub.health().is_healthy());
@@ -545,11 +545,9 @@ pub async fn concurrency_200_drains_like_8_on_the_default_pool<D: TestDb>(mode: 
                 SubscribeOptions::new()
                     .concurrency(concurrency)
                     .poll_interval(Duration::from_millis(100)),
-                |_job| {
-                    Box::pin(async {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                        Ok(Outcome::Ack)
-                    })
+                |_job| async {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    Outcome::Ack
                 },
             )
             .expect("subscribe");

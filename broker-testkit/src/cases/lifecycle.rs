@@ -24,11 +24,11 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
             SubscribeOptions::new().concurrency(3).batch_size(3),
             move |_job| {
                 let gate = gate.clone();
-                Box::pin(async move {
+                async move {
                     // Held until the shutdown begins (bounded, should the notification be missed).
                     let _ = tokio::time::timeout(Duration::from_secs(30), gate.notified()).await;
-                    Ok(Outcome::Ack)
-                })
+                    Outcome::Ack
+                }
             },
         )
         .expect("subscribe");
@@ -111,11 +111,9 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
             SubscribeOptions::new()
                 .concurrency(2)
                 .shutdown_timeout(Duration::from_millis(300)),
-            |_job| {
-                Box::pin(async move {
-                    tokio::time::sleep(Duration::from_secs(120)).await;
-                    Ok(Outcome::Ack)
-                })
+            |_job| async move {
+                tokio::time::sleep(Duration::from_secs(120)).await;
+                Outcome::Ack
             },
         )
         .expect("subscribe");
@@ -188,7 +186,7 @@ pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
     let sub = q
         .subscribe(
             SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
-            |_job| Box::pin(async move { Ok(Outcome::Ack) }),
+            |_job| async move { Outcome::Ack },
         )
         .expect("subscribe");
     tokio::time::sleep(Duration::from_millis(300)).await;

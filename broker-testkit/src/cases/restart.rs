@@ -37,11 +37,11 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
                 .poll_interval(Duration::from_millis(100)),
             move |job| {
                 *seen.lock().unwrap().entry(job.id()).or_default() += 1;
-                Box::pin(async move {
+                async move {
                     // Long enough that kills find deliveries in work and settling.
                     tokio::time::sleep(Duration::from_millis(3)).await;
-                    Ok(Outcome::Ack)
-                })
+                    Outcome::Ack
+                }
             },
         )
         .expect("subscribe");

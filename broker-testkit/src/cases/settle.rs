@@ -186,11 +186,9 @@ pub async fn renewal_keeps_a_handler_that_runs_three_leases<D: TestDb>() {
     let other = fx.other_queue().await;
     let id = fx.publish(&q, 1).await[0];
     let sub = q
-        .subscribe(SubscribeOptions::new(), |_job| {
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_millis(3200)).await;
-                Ok(Outcome::Ack)
-            })
+        .subscribe(SubscribeOptions::new(), |_job| async move {
+            tokio::time::sleep(Duration::from_millis(3200)).await;
+            Outcome::Ack
         })
         .expect("subscribe");
     wait_until("the long handler in work", Duration::from_secs(10), || {
@@ -236,11 +234,9 @@ pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
     let sub = q
         .subscribe(
             SubscribeOptions::new().concurrency(1).batch_size(3),
-            |_job| {
-                Box::pin(async move {
-                    tokio::time::sleep(Duration::from_millis(1100)).await;
-                    Ok(Outcome::Ack)
-                })
+            |_job| async move {
+                tokio::time::sleep(Duration::from_millis(1100)).await;
+                Outcome::Ack
             },
         )
         .expect("subscribe");
@@ -315,5 +311,90 @@ pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
         "the ack commits the write"
     );
     fx.broker.drop_tables(&side).await.unwrap();
+    fx.cleanup().await;
+}
+
+/// A subscribed row lock handler writes through the transaction it is lent: the writes of the
+/// attempt it retries roll back, those of the attempt it acks commit with the ack.
+pub async fn a_subscribed_handler_writes_through_its_transaction<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
+    let q = fx.queue().await;
+    let side = broker_core::TableDescription::builder(unique_name("side"))
+        .payload("payload", ColumnType::Text)
+        .build()
+        .unwrap();
+    fx.broker.create_tables(&side).await.unwrap();
+    let side_q = fx.broker.queue::<D::Job>(side.clone()).await.unwrap();
+    let ids = fx.publish(&q, 2).await;
+    // (attempt, side row written in it)
+    let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(i64, i64)>::new()));
+    let sub = {
+        let side_q = side_q.clone();
+        let written = written.clone();
+        q.subscribe_with_transaction(
+            SubscribeOptions::new()
+                .concurrency(2)
+                .error_backoff(Duration::ZERO, Duration::ZERO),
+            move |job, tx| {
+                let side_q = side_q.clone();
+                let written = written.clone();
+                async move {
+                    let mut tx = tx.get().await?;
+                    let text = format!("row {} attempt {}", job.id(), job.attempt());
+                    let side_id = side_q
+                        .publish_in(&mut **tx, &[NewJob::new(D::Text::from(text))])
+                        .await?[0];
+                    written.lock().unwrap().push((job.attempt(), side_id));
+                    let outcome = if job.attempt() == 1 {
+                        Outcome::Retry
+                    } else {
+                        Outcome::Ack
+                    };
+                    Ok::<_, broker_core::BoxError>(outcome)
+                }
+            },
+        )
+        .expect("subscribe")
+    };
+    wait_until("both rows acked", Duration::from_secs(30), || {
+        let q = q.clone();
+        async move { q.metrics().acked == 2 }
+    })
+    .await;
+    assert_eq!(sub.shutdown().await.dropped, 0);
+    for id in ids {
+        assert!(q.row_state(id).await.unwrap().is_none());
+    }
+    let written = written.lock().unwrap().clone();
+    assert_eq!(
+        written.len(),
+        4,
+        "two attempts of each row wrote: {written:?}"
+    );
+    for (attempt, side_id) in written {
+        let kept = side_q.row_state(side_id).await.unwrap().is_some();
+        assert_eq!(
+            kept,
+            attempt == 2,
+            "side row {side_id} of attempt {attempt}: a retry rolls back, an ack commits"
+        );
+    }
+    fx.broker.drop_tables(&side).await.unwrap();
+    fx.cleanup().await;
+}
+
+/// Lending a transaction needs row lock mode: a lease or advisory table refuses
+/// `subscribe_with_transaction` at once, saying to use `subscribe`.
+pub async fn subscribe_with_transaction_outside_row_lock_is_refused<D: TestDb>(mode: ClaimMode) {
+    let fx = Fixture::<D>::new(mode, |b| b).await;
+    let q = fx.queue().await;
+    let err = q
+        .subscribe_with_transaction(SubscribeOptions::new(), |_job, _tx| async { Outcome::Ack })
+        .expect_err("no transaction to lend");
+    let text = err.to_string();
+    assert!(
+        text.contains("use subscribe") && text.contains(fx.table.name()),
+        "{text}"
+    );
     fx.cleanup().await;
 }

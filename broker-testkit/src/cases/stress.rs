@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use broker_core::{
-    Backend, Broker, ClaimMode, DeadLetter, NewJob, Outcome, Queue, SubscribeOptions, Subscription,
-    TableDescription,
+    Backend, BoxError, Broker, ClaimMode, DeadLetter, NewJob, Outcome, Queue, SubscribeOptions,
+    Subscription, TableDescription,
 };
 
 use super::faults::{CHILD_ENV, spawn_child};
@@ -147,7 +147,7 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                 .error_backoff(Duration::ZERO, Duration::ZERO),
             move |job| {
                 let sink = sink.clone();
-                Box::pin(async move {
+                async move {
                     let i: usize = job.payload().text()["job-".len()..]
                         .parse()
                         .expect("a stress payload");
@@ -171,7 +171,7 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                         _ => {}
                     }
                     let (recorded, result) = match roll {
-                        0..70 => (Recorded::Ack, Ok(Outcome::Ack)),
+                        0..70 => (Recorded::Ack, Ok::<_, BoxError>(Outcome::Ack)),
                         70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
                         78..84 => (
                             Recorded::RetryAfter,
@@ -186,7 +186,7 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                     };
                     sink.finish(at, recorded);
                     result
-                })
+                }
             },
         )
         .expect("subscribe")

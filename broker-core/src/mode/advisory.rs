@@ -1,0 +1,146 @@
+//! Advisory mode: a key lock, on a connection of its own where the database keeps keys in
+//! sessions, holds every row with that key. The claim reads candidates, tries each key without
+//! waiting, then takes the row while it is still claimable. A dropped hold unlocks the key in a
+//! clean-up task (without a runtime the lock's own drop frees it).
+
+use std::sync::Arc;
+
+use crate::error::{Result, SqlxBrokerError};
+use crate::inner::Shared;
+use crate::strategy::{AdvisoryStrategy, Backend, ClaimedRow, Settle};
+
+type Lock<B> = <<B as Backend>::Advisory as AdvisoryStrategy>::KeyLock;
+
+/// A held advisory key; unlocks (in a clean-up task) when dropped unsettled.
+pub(crate) struct KeyHold<B: Backend> {
+    strategy: Arc<B::Advisory>,
+    shared: Arc<Shared<B>>,
+    key: String,
+    lock: Option<Lock<B>>,
+}
+
+impl<B: Backend> KeyHold<B> {
+    fn take_lock(&mut self) -> Lock<B> {
+        self.lock
+            .take()
+            .expect("a key hold keeps its lock until unlocked")
+    }
+
+    async fn unlock(mut self) -> Result<()> {
+        let lock = self.take_lock();
+        let result = self.strategy.unlock(lock).await;
+        self.shared.broker.forget_key(&self.key);
+        result
+    }
+
+    /// Settles the row; the key unlocks once the settlement landed. A settlement the key's
+    /// fence refused because the row is gone says so ([`SqlxBrokerError::RowGone`]).
+    pub(crate) async fn settle(mut self, settle: Settle) -> Result<()> {
+        let lock = self
+            .lock
+            .as_mut()
+            .expect("a key hold keeps its lock until unlocked");
+        match self.strategy.settle(lock, settle).await {
+            Err(SqlxBrokerError::ClaimLost { .. }) if self.shared.is_gone(settle.id).await => {
+                Err(self.shared.gone(settle.id))
+            }
+            Err(e) => Err(e),
+            Ok(()) => self.unlock().await,
+        }
+    }
+}
+
+impl<B: Backend> Drop for KeyHold<B> {
+    fn drop(&mut self) {
+        let Some(lock) = self.lock.take() else { return };
+        let strategy = self.strategy.clone();
+        let shared = self.shared.clone();
+        let key = std::mem::take(&mut self.key);
+        // Unlocking needs a statement; run it in a tracked clean-up task. Without a runtime the
+        // lock's own drop frees the key (its connection closes).
+        self.shared.broker.clone().spawn_cleanup(async move {
+            if let Err(e) = strategy.unlock(lock).await {
+                tracing::warn!(table = shared.name(), key, error = %e, "unlock of a dropped delivery failed");
+            }
+            shared.broker.forget_key(&key);
+        });
+    }
+}
+
+/// Claims up to `limit` rows: a key lock and a take for each.
+pub(crate) async fn claim<B: Backend>(
+    strategy: &Arc<B::Advisory>,
+    shared: &Arc<Shared<B>>,
+    limit: usize,
+    now_ms: i64,
+) -> Result<Vec<(ClaimedRow<B::Db>, KeyHold<B>)>> {
+    let s = &**strategy;
+    let broker = &shared.broker;
+    let mut out = Vec::new();
+    let mut read = false;
+    while out.len() < limit {
+        // Candidates left over by a recent read come first; the lock and the take check each
+        // one again, so a stale one costs a statement, never a wrong claim.
+        let c = match shared.candidates.pop() {
+            Some(c) => c,
+            None if read => break,
+            None => {
+                read = true;
+                // Ask for more candidates than slots: some keys will be held elsewhere, and
+                // the rest serve the next claims.
+                let fresh = s
+                    .candidates(limit.saturating_mul(4).max(16), now_ms)
+                    .await?;
+                shared.candidates.refill(fresh);
+                continue;
+            }
+        };
+        // A key this broker holds already is skipped without spending a connection; the insert
+        // also reserves the key against this broker's other claims.
+        if broker.key_is_held(&c.key) || !broker.hold_key(&c.key) {
+            continue;
+        }
+        let mut lock = match s.try_lock(&c.key).await {
+            Ok(Some(lock)) => lock,
+            Ok(None) => {
+                broker.forget_key(&c.key);
+                continue;
+            }
+            Err(e) => {
+                broker.forget_key(&c.key);
+                return finish(out, e);
+            }
+        };
+        match s.take(&mut lock, c.id, now_ms).await {
+            Ok(Some(row)) => {
+                let hold = KeyHold {
+                    strategy: strategy.clone(),
+                    shared: shared.clone(),
+                    key: c.key,
+                    lock: Some(lock),
+                };
+                out.push((row, hold));
+            }
+            Ok(None) => {
+                let _ = s.unlock(lock).await;
+                broker.forget_key(&c.key);
+            }
+            Err(e) => {
+                let _ = s.unlock(lock).await;
+                broker.forget_key(&c.key);
+                return finish(out, e);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// An advisory claim that failed part way keeps what it took: those rows are claimed and must be
+/// delivered, so the error only surfaces when nothing was taken.
+fn finish<T>(out: Vec<T>, err: SqlxBrokerError) -> Result<Vec<T>> {
+    if out.is_empty() {
+        return Err(err);
+    }
+    tracing::warn!(error = %err, "advisory claim stopped early");
+    Ok(out)
+}

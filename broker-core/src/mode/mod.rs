@@ -1,0 +1,84 @@
+//! The claim modes. Each module owns its mode's hold (what keeps a row while its handler
+//! runs), claim, settlement, renewal and release on drop; this module only picks the mode a
+//! table prepared. The modules import [`crate::inner`] and the driver traits, never each other,
+//! deliveries or the engine.
+
+pub(crate) mod advisory;
+pub(crate) mod lease;
+pub(crate) mod row_lock;
+
+use std::sync::Arc;
+
+use crate::clock;
+use crate::error::Result;
+use crate::inner::Shared;
+use crate::metrics::Metrics;
+use crate::strategy::{Backend, ClaimedRow, Prepared, Settle};
+
+/// A prepared table: what it shares with its deliveries, and its mode's strategy.
+pub(crate) struct QueueInner<B: Backend> {
+    pub(crate) shared: Arc<Shared<B>>,
+    pub(crate) mode: Mode<B>,
+}
+
+/// The strategy of a table's mode.
+pub(crate) enum Mode<B: Backend> {
+    RowLock(Arc<B::RowLock>),
+    Lease(Arc<B::Lease>),
+    Advisory(Arc<B::Advisory>),
+}
+
+impl<B: Backend> From<Prepared<B>> for Mode<B> {
+    fn from(prepared: Prepared<B>) -> Self {
+        match prepared {
+            Prepared::RowLock(s) => Self::RowLock(Arc::new(s)),
+            Prepared::Lease(s) => Self::Lease(Arc::new(s)),
+            Prepared::Advisory(s) => Self::Advisory(Arc::new(s)),
+        }
+    }
+}
+
+/// What holds a claimed row while its handler runs; each mode's hold settles itself.
+pub(crate) enum Hold<B: Backend> {
+    RowLock(row_lock::TxHold<B>),
+    Lease(lease::LeaseHold<B>),
+    Key(advisory::KeyHold<B>),
+}
+
+impl<B: Backend> QueueInner<B> {
+    /// Claims up to `limit` rows in the table's mode, with the hold of each.
+    pub(crate) async fn claim(&self, limit: usize) -> Result<Vec<(ClaimedRow<B::Db>, Hold<B>)>> {
+        let now = clock::now_ms();
+        let shared = &self.shared;
+        let claimed: Vec<_> = match &self.mode {
+            Mode::RowLock(s) => row_lock::claim::<B>(s, limit, now)
+                .await?
+                .into_iter()
+                .map(|(row, hold)| (row, Hold::RowLock(hold)))
+                .collect(),
+            Mode::Lease(s) => lease::claim(s, shared, limit, now)
+                .await?
+                .into_iter()
+                .map(|(row, hold)| (row, Hold::Lease(hold)))
+                .collect(),
+            Mode::Advisory(s) => advisory::claim(s, shared, limit, now)
+                .await?
+                .into_iter()
+                .map(|(row, hold)| (row, Hold::Key(hold)))
+                .collect(),
+        };
+        Metrics::add(&shared.metrics.claimed, claimed.len() as u64);
+        Ok(claimed)
+    }
+}
+
+impl<B: Backend> Hold<B> {
+    /// Settles the row by its hold.
+    pub(crate) async fn settle(self, settle: Settle) -> Result<()> {
+        match self {
+            Hold::RowLock(h) => h.settle(settle).await,
+            Hold::Lease(h) => h.settle(settle).await,
+            Hold::Key(h) => h.settle(settle).await,
+        }
+    }
+}
