@@ -29,13 +29,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use broker_core::strategy::{
+use broker_core::driver::{
     Action, AdvisoryStrategy, ClaimedRow, LeaseStrategy, LeaseToken, Prepared, RowLockStrategy,
     Settle,
 };
 use broker_core::{
     Backend, Broker, ClaimMode, ColumnType, NewJob, Outcome, Payload, Queue, SubscribeOptions,
-    TableDescription, clock,
+    TableDescription, driver::clock,
 };
 use sqlx::{Database, FromRow};
 use std::future::Future;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use broker_core::strategy::{
+use broker_core::driver::{
     AdvisoryStrategy, Candidate, ClaimedRow, LeaseStrategy, LeaseToken, Prepared, RowLockClaim,
     RowLockStrategy, Settle,
 };

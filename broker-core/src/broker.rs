@@ -9,12 +9,12 @@ use sqlx::{Database, FromRow};
 
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction};
+use crate::driver::{Backend, RowState};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{BrokerInner, Shared};
 use crate::metrics::MetricsSnapshot;
 use crate::mode::QueueInner;
 use crate::publish::NewJob;
-use crate::strategy::{Backend, RowState};
 use crate::subscription::{Handler, IntoOutcome, SubscribeOptions, Subscription};
 use crate::table::TableDescription;
 

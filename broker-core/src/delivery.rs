@@ -8,14 +8,14 @@ use std::time::Duration;
 use sqlx::{Database, FromRow, Transaction};
 
 use crate::claim_mode::ClaimMode;
-use crate::clock;
+use crate::driver::clock;
+use crate::driver::{Action, Backend, ClaimedRow, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
 use crate::metrics::Metrics;
 use crate::mode::lease::Renewer;
 use crate::mode::row_lock::TxHold;
 use crate::mode::{Hold, QueueInner};
-use crate::strategy::{Action, Backend, ClaimedRow, Settle};
 use crate::table::TableDescription;
 
 /// What a handler decided about its delivery.

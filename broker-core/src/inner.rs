@@ -10,9 +10,9 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::claim_mode::ClaimMode;
+use crate::driver::{Action, Backend, Candidate};
 use crate::error::SqlxBrokerError;
 use crate::metrics::Metrics;
-use crate::strategy::{Action, Backend, Candidate};
 use crate::table::TableDescription;
 
 #[derive(Debug)]

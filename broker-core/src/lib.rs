@@ -55,7 +55,7 @@
 //! ever more rarely. The count lives in the engine because in row lock mode nothing the failed
 //! settlement wrote survives its rollback.
 //!
-//! Due times are clamped to [`clock::MAX_DUE_MS`] (9999-12-31), so
+//! Due times are clamped to [`driver::clock::MAX_DUE_MS`] (9999-12-31), so
 //! `Outcome::RetryAfter(Duration::MAX)` parks a row instead of failing its settlement.
 //!
 //! # Time
@@ -64,16 +64,15 @@
 
 mod broker;
 mod claim_mode;
-pub mod clock;
 mod delivery;
 pub mod doctor;
+pub mod driver;
 mod error;
 mod inner;
 mod metrics;
 mod mode;
 mod payload;
 mod publish;
-pub mod strategy;
 mod subscription;
 mod table;
 
@@ -81,12 +80,12 @@ pub use broker::{Broker, Queue};
 pub use claim_mode::ClaimMode;
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
+pub use driver::{Backend, Capabilities, RowState};
 pub use error::{Result, SqlxBrokerError};
 pub use inner::SETTLE_FAILURE_LIMIT;
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Value};
-pub use strategy::{Backend, Capabilities, RowState};
 pub use subscription::{
     BoxError, BoxFuture, HandlerResult, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
     SubscribeOptions, Subscription,
@@ -98,7 +97,7 @@ pub use table::{
 
 /// The user API, in one glob: every backend crate re-exports it at its root
 /// (`pub use broker_core::api::*`), so an application depends on one backend crate alone.
-/// What backends implement lives in [`strategy`] and is not part of it.
+/// What backends implement lives in [`driver`] and is not part of it.
 pub mod api {
     pub use crate::{
         BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter,

@@ -2,7 +2,7 @@
 
 use sqlx::{ColumnIndex, Decode, FromRow, Row, Type};
 
-use crate::strategy::alias;
+use crate::driver::alias;
 
 /// A row read as its payload column alone (the table description names the column).
 ///

@@ -2,7 +2,7 @@
 
 use std::time::SystemTime;
 
-use crate::clock;
+use crate::driver::clock;
 use crate::error::{Result, SqlxBrokerError};
 use crate::table::TableDescription;
 

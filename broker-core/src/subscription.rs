@@ -17,10 +17,10 @@ use tracing::Instrument;
 
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction, Outcome};
+use crate::driver::Backend;
 use crate::error::SqlxBrokerError;
 use crate::metrics::{InWork, Metrics, MetricsSnapshot};
 use crate::mode::QueueInner;
-use crate::strategy::Backend;
 use crate::table::TableDescription;
 
 /// A boxed, sendable future, as handlers return.
@@ -536,158 +536,235 @@ struct Engine<B: Backend, T> {
     span: tracing::Span,
 }
 
+/// How a subscription claims: rows per claim, claims in flight, and rows held beyond the slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    /// The most rows one claim asks for.
+    batch: usize,
+    /// The most claims in flight.
+    max_claims: usize,
+    /// Claimed rows that may wait for a slot (lease mode only).
+    prefetch: usize,
+}
+
+impl Plan {
+    fn new(options: &SubscribeOptions, table: &TableDescription, pool: usize) -> Self {
+        let mode = table.mode();
+        // Row lock claims one row per transaction, and an advisory claim locks and takes one
+        // key after another, so those modes run one single-row claim per slot side by side
+        // (advisory claims share their candidate reads); lease claims take a batch in one
+        // statement.
+        let batch = match mode {
+            ClaimMode::RowLock | ClaimMode::Advisory => 1,
+            ClaimMode::Lease => options.batch_size.unwrap_or(options.concurrency),
+        };
+        // Enough claims in flight to fill every slot: one per batch of slots, and a single one
+        // for a single worker, which on SQLite would only contend with itself for the one
+        // writer.
+        let max_claims = options.max_claims_in_flight.unwrap_or_else(|| {
+            options
+                .concurrency
+                .div_ceil(batch)
+                .clamp(1, options.concurrency)
+                .min(claims_for_pool(pool))
+        });
+        // Rows this subscription holds: in work, waiting for a slot, or asked for by a claim in
+        // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode claims
+        // whole batches and holds up to two beyond the slots: the next batch is claimed while
+        // the last one still feeds the slots, and no slot waits for a claim. A row lock or a
+        // key holds a connection, so those modes hold no more rows than slots. Neither do FIFO
+        // tables: while a group's head is in work a claim finds nothing in that group, so
+        // claims beside the rows in work mostly come back empty, having scanned the group and
+        // contended with the others.
+        let prefetch = if mode == ClaimMode::Lease && !table.fifo() {
+            2 * batch
+        } else {
+            0
+        };
+        Self {
+            batch,
+            max_claims,
+            prefetch,
+        }
+    }
+}
+
+/// What woke the claim loop.
+enum Event<B: Backend, T> {
+    /// The subscription or the broker is stopping.
+    Stop,
+    /// A wake-up (a publish, a settlement) or the poll: look again.
+    Look,
+    /// A claim returned.
+    Report(ClaimReport<B, T>),
+    /// A delivery task ended.
+    TaskDone,
+    /// Window permits for a new claim.
+    Permits(OwnedSemaphorePermit),
+}
+
+/// The claim loop's state: claims in flight, delivery tasks, and whether the table looked
+/// drained.
+struct ClaimLoop<B: Backend, T> {
+    engine: Arc<Engine<B, T>>,
+    plan: Plan,
+    /// Rows held: in work, waiting for a slot, or asked for by a claim in flight.
+    window: Arc<Semaphore>,
+    reports_tx: mpsc::UnboundedSender<ClaimReport<B, T>>,
+    reports: mpsc::UnboundedReceiver<ClaimReport<B, T>>,
+    /// Claims in flight.
+    claims: usize,
+    /// Each task says whether it ran a delivery.
+    tasks: JoinSet<bool>,
+    /// After a short claim the table looked drained: wait for a wake-up or the poll. Otherwise
+    /// every claim slot stays busy, even where most claims come back empty (a FIFO group has
+    /// one claimable head at a time): claims started at different moments overlap the head's
+    /// settlement at different points, so one of them usually takes the next head right away.
+    /// One claim at a time would make every row wait out a whole claim (measured: 0.14 of the
+    /// raw loop on a one-group lease table).
+    state: Next,
+    stop: watch::Receiver<bool>,
+    broker_stop: watch::Receiver<bool>,
+}
+
 async fn run<B, T>(
     queue: Arc<QueueInner<B>>,
     options: SubscribeOptions,
     handler: Handler<B, T>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     health: Arc<Mutex<Health>>,
 ) -> ShutdownReport
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
-    let inner = queue.shared.clone();
-    let table = inner.table.clone();
+    let shared = queue.shared.clone();
+    let table = shared.table.clone();
     let span =
         tracing::info_span!("subscription", subscription = %options.name, table = table.name());
-    let mut broker_stop = inner.broker.shutdown.subscribe();
     let wake = Arc::new(Notify::new());
-    inner.broker.register_waker(table.name(), &wake);
-    let listener = match inner.broker.backend.listen(&table, wake.clone()).await {
+    shared.broker.register_waker(table.name(), &wake);
+    let listener = match shared.broker.backend.listen(&table, wake.clone()).await {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(parent: &span, error = %e, "cross-process wake-ups unavailable; polling");
             None
         }
     };
-    let mode = table.mode();
-    // Row lock claims one row per transaction, and an advisory claim locks and takes one key
-    // after another, so those modes run one single-row claim per slot side by side (advisory
-    // claims share their candidate reads); lease claims take a batch in one statement.
-    let batch = match mode {
-        ClaimMode::RowLock | ClaimMode::Advisory => 1,
-        ClaimMode::Lease => options.batch_size.unwrap_or(options.concurrency),
+    let plan = Plan::new(&options, &table, pool_size(&queue));
+    let (reports_tx, reports) = mpsc::unbounded_channel();
+    let mut claim_loop = ClaimLoop {
+        window: Arc::new(Semaphore::new(options.concurrency + plan.prefetch)),
+        engine: Arc::new(Engine {
+            slots: Arc::new(Semaphore::new(options.concurrency)),
+            queue,
+            handler,
+            options: Arc::new(options),
+            wake,
+            freed: AtomicU64::new(0),
+            health,
+            span: span.clone(),
+        }),
+        plan,
+        reports_tx,
+        reports,
+        claims: 0,
+        tasks: JoinSet::new(),
+        state: Next::More,
+        broker_stop: shared.broker.shutdown.subscribe(),
+        stop,
     };
-    // Enough claims in flight to fill every slot: one per batch of slots, and a single one for
-    // a single worker, which on SQLite would only contend with itself for the one writer.
-    let max_claims = options.max_claims_in_flight.unwrap_or_else(|| {
-        options
-            .concurrency
-            .div_ceil(batch)
-            .clamp(1, options.concurrency)
-            .min(claims_for_pool(pool_size(&queue)))
-    });
-    // Rows this subscription holds: in work, waiting for a slot, or asked for by a claim in
-    // flight. A lease costs nothing while it waits (renewal keeps it), so lease mode claims
-    // whole batches and holds up to two beyond the slots: the next batch is claimed while the
-    // last one still feeds the slots, and no slot waits for a claim. A row lock or a key holds
-    // a connection, so those modes hold no more rows than slots. Neither do FIFO tables: while
-    // a group's head is in work a claim finds nothing in that group, so claims beside the rows
-    // in work mostly come back empty, having scanned the group and contended with the others.
-    let prefetch = if mode == ClaimMode::Lease && !table.fifo() {
-        2 * batch
-    } else {
-        0
-    };
-    let window = Arc::new(Semaphore::new(options.concurrency + prefetch));
-    let slots = Arc::new(Semaphore::new(options.concurrency));
-    // A claim runs in a task of its own, which reports to the loop when the claim returns and
-    // then runs the first claimed row's handler itself: with one row per claim (row lock,
-    // advisory, single workers) a row costs one task and one hand-off, as in a plain loop.
-    // The loop starts the other rows of a batch.
-    let (reports_tx, mut reports) = mpsc::unbounded_channel::<ClaimReport<B, T>>();
-    let mut claims = 0usize;
-    // Each task says whether it ran a delivery.
-    let mut handlers: JoinSet<bool> = JoinSet::new();
-    let options = Arc::new(options);
-    let engine = Arc::new(Engine {
-        queue: queue.clone(),
-        handler,
-        options: options.clone(),
-        slots,
-        wake: wake.clone(),
-        freed: AtomicU64::new(0),
-        health,
-        span: span.clone(),
-    });
-    // After a short claim the table looked drained: wait for a wake-up or the poll. Otherwise
-    // every claim slot stays busy, even where most claims come back empty (a FIFO group has one
-    // claimable head at a time): claims started at different moments overlap the head's
-    // settlement at different points, so one of them usually takes the next head right away.
-    // One claim at a time would make every row wait out a whole claim (measured: 0.14 of the
-    // raw loop on a one-group lease table).
-    let mut state = Next::More;
+    claim_loop.run().await;
+    let report = claim_loop.shut_down().await;
+    if let Some(l) = listener {
+        l.abort();
+        let _ = l.await;
+    }
+    shared.broker.drain_cleanups().await;
+    tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
+    report
+}
 
-    let stopped = |s: &watch::Receiver<bool>, b: &watch::Receiver<bool>| *s.borrow() || *b.borrow();
-    loop {
-        if stopped(&stop, &broker_stop) {
-            break;
-        }
-        if state == Next::Drained {
-            let failing = engine.claim_errors_in_a_row();
-            let wait = if failing > 0 {
-                claim_backoff(options.poll_interval, failing)
-            } else {
-                options.poll_interval
-            };
-            tokio::select! {
-                // A wake-up (a publish, a settlement) cuts a backoff short too: it means the
-                // database took a write just now, and without one a backoff is never longer
-                // than the poll interval was.
-                _ = wake.notified() => {}
-                _ = tokio::time::sleep(wait) => {}
-                _ = stop.changed() => continue,
-                _ = broker_stop.changed() => continue,
-                Some(report) = reports.recv() => {
-                    claims -= 1;
-                    state = engine.start_extras(report, &mut handlers);
-                    continue;
-                }
-                Some(_) = handlers.join_next() => continue,
+impl<B, T> ClaimLoop<B, T>
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    fn stopped(&self) -> bool {
+        *self.stop.borrow() || *self.broker_stop.borrow()
+    }
+
+    /// Claims until the subscription or the broker stops.
+    async fn run(&mut self) {
+        while !self.stopped() {
+            match self.next_event().await {
+                Event::Stop | Event::TaskDone => {}
+                Event::Look => self.state = Next::More,
+                Event::Report(report) => self.on_report(report),
+                Event::Permits(permits) => self.start_claim(permits),
             }
-            state = Next::More;
-            continue;
         }
-        if claims >= max_claims {
-            tokio::select! {
-                _ = stop.changed() => {}
-                _ = broker_stop.changed() => {}
-                Some(report) = reports.recv() => {
-                    claims -= 1;
-                    state = engine.start_extras(report, &mut handlers);
-                }
-                Some(_) = handlers.join_next() => {}
-            }
-            continue;
-        }
-        // Prefetching claims wait until a whole batch fits; the others start as soon as one slot
-        // is free and take what else is free.
-        let wanted = if prefetch > 0 { batch } else { 1 };
-        let acquired = tokio::select! {
-            permit = window.clone().acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX)) => permit.expect("the window semaphore is never closed"),
-            _ = stop.changed() => continue,
-            _ = broker_stop.changed() => continue,
-            Some(report) = reports.recv() => {
-                claims -= 1;
-                state = engine.start_extras(report, &mut handlers);
-                continue;
-            }
-            Some(_) = handlers.join_next() => continue,
+    }
+
+    /// Waits for what the loop needs next: a wake-up or the poll while the table looks
+    /// drained, a returning claim while all claims are in flight, window permits otherwise;
+    /// and in every state a stop, a returning claim or an ending task.
+    async fn next_event(&mut self) -> Event<B, T> {
+        let drained = self.state == Next::Drained;
+        let full = !drained && self.claims >= self.plan.max_claims;
+        let wants_permits = !drained && !full;
+        let options = &self.engine.options;
+        let wait = match self.engine.claim_errors_in_a_row() {
+            0 => options.poll_interval,
+            failing => claim_backoff(options.poll_interval, failing),
         };
-        let mut permits = acquired;
-        while permits.num_permits() < batch {
-            match window.clone().try_acquire_owned() {
+        // Prefetching claims wait until a whole batch fits; the others start as soon as one
+        // slot is free and take what else is free.
+        let wanted = if self.plan.prefetch > 0 {
+            self.plan.batch
+        } else {
+            1
+        };
+        let window = self.window.clone();
+        tokio::select! {
+            _ = self.stop.changed() => Event::Stop,
+            _ = self.broker_stop.changed() => Event::Stop,
+            Some(report) = self.reports.recv() => Event::Report(report),
+            Some(_) = self.tasks.join_next() => Event::TaskDone,
+            // A wake-up (a publish, a settlement) cuts a claim backoff short too: it means the
+            // database took a write just now, and without one a backoff is never longer than
+            // the poll interval was.
+            _ = self.engine.wake.notified(), if drained => Event::Look,
+            _ = tokio::time::sleep(wait), if drained => Event::Look,
+            permits = window.acquire_many_owned(u32::try_from(wanted).unwrap_or(u32::MAX)), if wants_permits => {
+                Event::Permits(permits.expect("the window semaphore is never closed"))
+            }
+        }
+    }
+
+    fn on_report(&mut self, report: ClaimReport<B, T>) {
+        self.claims -= 1;
+        self.state = self.engine.start_extras(report, &mut self.tasks);
+    }
+
+    /// Starts a claim for the rows `permits` allow (and what else of the window is free) in a
+    /// task of its own, which reports to the loop when the claim returns and then runs the
+    /// first claimed row's handler itself: with one row per claim (row lock, advisory, single
+    /// workers) a row costs one task and one hand-off, as in a plain loop. The loop starts the
+    /// other rows of a batch.
+    fn start_claim(&mut self, mut permits: OwnedSemaphorePermit) {
+        while permits.num_permits() < self.plan.batch {
+            match self.window.clone().try_acquire_owned() {
                 Ok(p) => permits.merge(p),
                 Err(_) => break,
             }
         }
-        let e = engine.clone();
+        let e = self.engine.clone();
         let mut reporter = Reporter {
-            tx: Some(reports_tx.clone()),
+            tx: Some(self.reports_tx.clone()),
         };
-        claims += 1;
-        handlers.spawn(
+        self.claims += 1;
+        self.tasks.spawn(
             async move {
                 let freed = e.freed.load(Ordering::SeqCst);
                 let result = delivery::claim::<B, T>(&e.queue, permits.num_permits()).await;
@@ -702,46 +779,43 @@ where
                     None => false,
                 }
             }
-            .instrument(span.clone()),
+            .instrument(self.engine.span.clone()),
         );
     }
 
-    // Shutdown: claims in flight finish and their rows are handled like the rest; then handlers
-    // get until the deadline.
-    let now = tokio::time::Instant::now();
-    // A deadline past what the clock can hold means no deadline.
-    let deadline = now
-        .checked_add(options.shutdown_timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
-    while claims > 0 {
-        let Some(report) = reports.recv().await else {
-            break;
-        };
-        claims -= 1;
-        engine.start_extras(report, &mut handlers);
-    }
-    let mut report = ShutdownReport::default();
-    let waited = tokio::time::timeout_at(deadline, async {
-        while let Some(done) = handlers.join_next().await {
-            if matches!(done, Ok(true)) {
-                report.finished += 1;
-            }
+    /// Shutdown: claims in flight finish and their rows are handled like the rest; then
+    /// handlers get until the deadline, and those still running are dropped (their rows
+    /// released).
+    async fn shut_down(&mut self) -> ShutdownReport {
+        let now = tokio::time::Instant::now();
+        // A deadline past what the clock can hold means no deadline.
+        let deadline = now
+            .checked_add(self.engine.options.shutdown_timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
+        while self.claims > 0 {
+            let Some(report) = self.reports.recv().await else {
+                break;
+            };
+            self.on_report(report);
         }
-    })
-    .await;
-    if waited.is_err() {
-        report.dropped = handlers.len();
-        tracing::warn!(parent: &span, dropped = report.dropped, "shutdown deadline passed; dropping handlers in work");
-        handlers.abort_all();
-        while handlers.join_next().await.is_some() {}
+        let mut report = ShutdownReport::default();
+        let tasks = &mut self.tasks;
+        let waited = tokio::time::timeout_at(deadline, async {
+            while let Some(done) = tasks.join_next().await {
+                if matches!(done, Ok(true)) {
+                    report.finished += 1;
+                }
+            }
+        })
+        .await;
+        if waited.is_err() {
+            report.dropped = self.tasks.len();
+            tracing::warn!(parent: &self.engine.span, dropped = report.dropped, "shutdown deadline passed; dropping handlers in work");
+            self.tasks.abort_all();
+            while self.tasks.join_next().await.is_some() {}
+        }
+        report
     }
-    if let Some(l) = listener {
-        l.abort();
-        let _ = l.await;
-    }
-    inner.broker.drain_cleanups().await;
-    tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
-    report
 }
 
 impl<B, T> Engine<B, T>

@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use broker_core::strategy::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
@@ -438,7 +438,8 @@ impl AdvisoryStrategy for MySqlAdvisory {
                 if e.sqlx_source()
                     .is_some_and(|s| classify(s) == ErrorClass::Connection) =>
             {
-                let deadline = broker_core::clock::after_ms(std::time::Duration::from_secs(10));
+                let deadline =
+                    broker_core::driver::clock::after_ms(std::time::Duration::from_secs(10));
                 settle_retrying(self.table.name(), "settle", deadline, || async {
                     let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
                     let out = self

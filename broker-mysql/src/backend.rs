@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::strategy::{ClaimedRow, Prepared, PublishPlan, alias};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, alias};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,

@@ -4,7 +4,7 @@
 //! doctor's own, closed afterwards.
 
 use broker_core::doctor::{Check, DoctorOptions, clock_check};
-use broker_core::{ClaimMode, TableDescription, clock};
+use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool, Row};
 

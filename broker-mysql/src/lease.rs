@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
 

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{MySql, MySqlPool, Transaction};
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+use broker_core::driver::{Action, LeaseToken, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::{MySqlArguments, MySqlDatabaseError, MySqlRow};
 use sqlx::query::Query;
@@ -637,7 +637,7 @@ where
             Err(e)
                 if e.sqlx_source()
                     .is_some_and(|s| classify(s) == ErrorClass::Connection)
-                    && broker_core::clock::after_ms(backoff) < deadline_ms =>
+                    && broker_core::driver::clock::after_ms(backoff) < deadline_ms =>
             {
                 tracing::debug!(table, what, error = %e, ?backoff, "connection lost; running the fenced statement again on a fresh connection");
                 tokio::time::sleep(backoff).await;

@@ -594,7 +594,7 @@ async fn an_advisory_settlement_is_fenced_on_the_attempt_its_take_wrote() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_lock_dropped_without_unlock_closes_its_connection_and_frees_the_key() {
     use broker_core::Backend;
-    use broker_core::strategy::{AdvisoryStrategy, Prepared};
+    use broker_core::driver::{AdvisoryStrategy, Prepared};
     let fx = fixture(ClaimMode::Advisory, |b| b).await;
     let table = std::sync::Arc::new(fx.table.clone());
     let Prepared::Advisory(s) = fx.broker.backend().prepare(&table).await.unwrap() else {

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
 use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -279,7 +279,7 @@ impl AdvisoryStrategy for PgAdvisory {
             // settlement is fenced on the attempt the take wrote, so it runs again on pool
             // connections for a while, and changes nothing if the row was taken again meanwhile.
             Err(e) if classify(&e.source) == ErrorClass::Connection => {
-                let deadline = broker_core::clock::after_ms(ADVISORY_SETTLE_RETRY);
+                let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
                 settle_retries(deadline, || async {
                     let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
                     self.settle

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{ClaimedRow, Prepared, PublishPlan, alias};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, alias};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,

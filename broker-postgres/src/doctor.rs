@@ -7,7 +7,7 @@
 //! afterwards: the doctor must work, and change nothing, behind the very poolers it looks for.
 
 use broker_core::doctor::{Check, DoctorOptions, WAIT, clock_check};
-use broker_core::{ClaimMode, TableDescription, clock};
+use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres};
 

@@ -117,7 +117,7 @@ impl TableNotifier {
     /// caller's commit delivers it). A notification the notifier sent does not count: it covers
     /// rows committed before it, not a transaction still open. Claims the window when it says yes.
     pub(crate) fn take_leading_edge(&self) -> bool {
-        let now = broker_core::clock::now_ms();
+        let now = broker_core::driver::clock::now_ms();
         let window = i64::try_from(WINDOW.as_millis()).unwrap_or(i64::MAX);
         let last = self.last_in_tx_ms.load(Ordering::SeqCst);
         now.saturating_sub(last) >= window

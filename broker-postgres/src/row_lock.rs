@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::strategy::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Transaction};
 

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+use broker_core::driver::{Action, LeaseToken, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -115,7 +115,7 @@ where
             }
             Err(e)
                 if classify(&e.source) == ErrorClass::Connection
-                    && broker_core::clock::after_ms(backoff) < deadline_ms =>
+                    && broker_core::driver::clock::after_ms(backoff) < deadline_ms =>
             {
                 tracing::debug!(statement = e.name, error = %e.source, ?backoff, "connection failed; running the fenced statement again on a fresh connection");
                 tokio::time::sleep(backoff).await;

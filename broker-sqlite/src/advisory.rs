@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 

@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::strategy::{ClaimedRow, NotOffered, Prepared, alias};
+use broker_core::driver::{ClaimedRow, NotOffered, Prepared, alias};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -159,7 +159,7 @@ impl Backend for SqliteBackend {
     where
         P: for<'q> sqlx::Encode<'q, Sqlite> + sqlx::Type<Sqlite> + Send + Sync,
     {
-        let plan = broker_core::strategy::PublishPlan::new(table, jobs)?;
+        let plan = broker_core::driver::PublishPlan::new(table, jobs)?;
         let mut ids = Vec::with_capacity(jobs.len());
         // Stay well under SQLite's bound-parameter limit.
         let per_statement = (30_000 / plan.width()).clamp(1, 500);

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::strategy::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Sqlite, SqlitePool};
 

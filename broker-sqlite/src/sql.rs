@@ -1,7 +1,7 @@
 //! Quoting and the statement fragments every SQLite strategy shares. Values are always bound,
 //! never pasted: only identifiers (quoted) and the broker's own fragments reach the SQL text.
 
-use broker_core::strategy::{Action, LeaseToken, Settle, alias};
+use broker_core::driver::{Action, LeaseToken, Settle, alias};
 
 /// What a settlement must still find in the row for it to take effect.
 #[derive(Debug, Clone, Copy)]

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use broker_core::strategy::alias;
+use broker_core::driver::alias;
 use broker_core::{
     Backend, Broker, ClaimMode, ColumnType, Delivery, NewJob, Queue, SqlxBrokerError, TableBuilder,
     TableDescription,

@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
+use crate::driver::{AdvisoryStrategy, Backend, ClaimedRow, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
-use crate::strategy::{AdvisoryStrategy, Backend, ClaimedRow, Settle};
 
 type Lock<B> = <<B as Backend>::Advisory as AdvisoryStrategy>::KeyLock;
 

@@ -5,10 +5,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::clock;
+use crate::driver::clock;
+use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
-use crate::strategy::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 
 /// A lease token that renewal can move while the handler runs.
 #[derive(Debug)]

@@ -9,11 +9,11 @@ pub(crate) mod row_lock;
 
 use std::sync::Arc;
 
-use crate::clock;
+use crate::driver::clock;
+use crate::driver::{Backend, ClaimedRow, Prepared, Settle};
 use crate::error::Result;
 use crate::inner::Shared;
 use crate::metrics::Metrics;
-use crate::strategy::{Backend, ClaimedRow, Prepared, Settle};
 
 /// A prepared table: what it shares with its deliveries, and its mode's strategy.
 pub(crate) struct QueueInner<B: Backend> {

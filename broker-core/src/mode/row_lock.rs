@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use sqlx::Transaction;
 
+use crate::driver::{Backend, ClaimedRow, RowLockStrategy, Settle};
 use crate::error::Result;
-use crate::strategy::{Backend, ClaimedRow, RowLockStrategy, Settle};
 
 /// What holds a row lock delivery's row: the claim's open transaction, and whether the
 /// handler's writes began in it (see [`RowLockStrategy::begin_writes`]).

@@ -164,7 +164,7 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
             back.len()
         );
         let got = q.claim(4).await.unwrap();
-        let claimed_by = broker_core::clock::now_ms();
+        let claimed_by = broker_core::driver::clock::now_ms();
         for d in &got {
             match (mode, expiries[&d.id()]) {
                 (ClaimMode::Lease, Some(expiry)) => assert!(

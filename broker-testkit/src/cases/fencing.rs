@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use broker_core::{
     ClaimMode, ColumnType, DeadLetter, Delivery, Queue, RowState, SqlxBrokerError,
-    TableDescription, clock,
+    TableDescription, driver::clock,
 };
 
 use super::claim_one;

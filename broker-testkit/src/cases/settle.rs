@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use broker_core::{
-    ClaimMode, ColumnType, DeadLetter, Delivery, NewJob, Outcome, Queue, SubscribeOptions, clock,
+    ClaimMode, ColumnType, DeadLetter, Delivery, NewJob, Outcome, Queue, SubscribeOptions,
+    driver::clock,
 };
 
 use super::claim_one;

@@ -1,5 +1,13 @@
-//! The traits every backend implements: one strategy per claim mode, and the backend that
-//! prepares them. The engine drives these traits; it never sees SQL.
+//! The driver interface: what a backend crate implements, for backend authors only. An
+//! application never needs anything here; it uses the user API a backend crate re-exports
+//! ([`crate::api`]).
+//!
+//! A backend implements [`Backend`] (prepare a table, publish, DDL, row states, wake-ups) and
+//! one strategy per claim mode it offers ([`RowLockStrategy`], [`LeaseStrategy`],
+//! [`AdvisoryStrategy`]; [`NotOffered`] for a mode it lacks). The engine drives these traits
+//! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
+
+pub mod clock;
 
 use std::future::Future;
 use std::sync::Arc;
