@@ -345,6 +345,10 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.capabilities()
     }
 
+    fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
+        self.inner.classify(error)
+    }
+
     fn pool(&self) -> &Pool<B::Db> {
         self.inner.pool()
     }

@@ -126,6 +126,51 @@ pub enum SqlxBrokerError {
         source: sqlx::Error,
     },
 
+    /// Connecting to the database failed (a backend's `connect`).
+    #[error(
+        "could not connect to the database: {source}; check the URL, that the server is up, and the credentials"
+    )]
+    Connect {
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// A DDL statement (from the DDL helper) failed. `table` is empty until the broker fills
+    /// in the table it ran the DDL for.
+    #[error("{}DDL statement failed: {source}; the statement was: {statement}", table_prefix(.table))]
+    Ddl {
+        /// The table.
+        table: String,
+        /// The statement.
+        statement: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// The deployment is not what the table needs, found at startup without a driver error
+    /// behind it (e.g. a setting of the session or an index the claim reads).
+    #[error("table \"{table}\": {what}")]
+    Setup {
+        /// The table.
+        table: String,
+        /// What is wrong and what to change.
+        what: String,
+    },
+
+    /// The database answered something the broker's protocol rules out: a bug, or a change to
+    /// the table made behind the broker's back. Nothing was settled on the strength of it.
+    #[error("table \"{table}\": statement \"{statement}\" broke an invariant: {what}")]
+    Invariant {
+        /// The table.
+        table: String,
+        /// The statement's name.
+        statement: &'static str,
+        /// What was found.
+        what: String,
+    },
+
     /// A claimed row's columns could not be decoded into the handler's type.
     #[error(
         "table \"{table}\": row {id} does not decode: {source}; make the row type match the table's columns"
@@ -191,7 +236,25 @@ impl SqlxBrokerError {
                 name,
                 source,
             },
+            Self::Ddl {
+                table: t,
+                statement,
+                source,
+            } if t.is_empty() => Self::Ddl {
+                table: table.to_owned(),
+                statement,
+                source,
+            },
             other => other,
+        }
+    }
+
+    /// A failed DDL statement.
+    pub fn ddl(statement: &str, source: sqlx::Error) -> Self {
+        Self::Ddl {
+            table: String::new(),
+            statement: statement.to_owned(),
+            source,
         }
     }
 
@@ -200,6 +263,8 @@ impl SqlxBrokerError {
         match self {
             Self::Schema { source, .. }
             | Self::Statement { source, .. }
+            | Self::Connect { source }
+            | Self::Ddl { source, .. }
             | Self::Decode { source, .. } => Some(source),
             _ => None,
         }

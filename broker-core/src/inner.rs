@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::claim_mode::ClaimMode;
-use crate::driver::{Action, Backend, Candidate};
+use crate::driver::{Action, Backend, Candidate, ErrorClass};
 use crate::error::SqlxBrokerError;
 use crate::metrics::Metrics;
 use crate::table::TableDescription;
@@ -134,7 +134,7 @@ impl<B: Backend> Shared<B> {
             return;
         }
         Metrics::add(&self.metrics.settle_failed, 1);
-        if fails_again(error) {
+        if fails_again(&self.broker.backend, error) {
             let n = self.settle_failures.record(id, error);
             tracing::warn!(table = self.name(), id, failures = n, error = %error, "settlement failed; the row was released and its next delivery backs off");
         }
@@ -258,34 +258,13 @@ impl SettleFailures {
 
 /// Whether a settlement error says something about the row or its statement (a constraint, a
 /// trigger, a value out of range: it will fail again) rather than about the connection or a
-/// lock conflict (it will likely work next time). Only the first kind counts toward
-/// [`SETTLE_FAILURE_LIMIT`], so killed connections and deadlocks never dead-letter a row.
-pub(crate) fn fails_again(error: &SqlxBrokerError) -> bool {
-    let Some(sqlx::Error::Database(db)) = error.sqlx_source() else {
-        return false;
-    };
-    let code = db.code().unwrap_or_default();
-    // SQLSTATE classes 08 connection, 40 rollback (deadlock, serialization), 53 resources,
-    // 57 operator intervention (a terminated backend); 55P03 lock not available (PostgreSQL);
-    // HY000 (MySQL's lock wait timeout, among others) and 70100 (MySQL / MariaDB `KILL`).
-    // SQLite reports its result codes: 5 busy and 6 locked, with their extended codes.
-    const TRANSIENT_CLASSES: [&str; 4] = ["08", "40", "53", "57"];
-    const TRANSIENT_CODES: [&str; 3] = ["55P03", "HY000", "70100"];
-    if TRANSIENT_CLASSES
-        .iter()
-        .any(|c| code.len() == 5 && code.starts_with(c))
-        || TRANSIENT_CODES.contains(&code.as_ref())
-    {
-        return false;
-    }
-    // SQLSTATEs have five characters; SQLite's result codes are shorter numbers.
-    if code.len() < 5
-        && let Ok(n) = code.parse::<i64>()
-        && matches!(n % 256, 5 | 6)
-    {
-        return false;
-    }
-    true
+/// lock conflict (it will likely work next time), as the backend classifies it. Only the first
+/// kind counts toward [`SETTLE_FAILURE_LIMIT`], so killed connections and deadlocks never
+/// dead-letter a row.
+pub(crate) fn fails_again<B: Backend>(backend: &B, error: &SqlxBrokerError) -> bool {
+    error.sqlx_source().is_some_and(|e| {
+        matches!(e, sqlx::Error::Database(_)) && backend.classify(e) == ErrorClass::Permanent
+    })
 }
 
 /// Advisory candidates kept between claims, so a claim for fewer rows than a read returns does

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, alias};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -148,11 +148,7 @@ impl MySqlBackend {
 }
 
 fn connect_error(source: sqlx::Error) -> SqlxBrokerError {
-    SqlxBrokerError::Statement {
-        table: String::new(),
-        name: "connect",
-        source,
-    }
+    SqlxBrokerError::Connect { source }
 }
 
 /// A pool connection that is closed, not returned to the pool, if the statements on it are cut
@@ -223,13 +219,7 @@ pub(crate) fn claimed(
     row: MySqlRow,
     key: Option<String>,
 ) -> Result<ClaimedRow<MySql>> {
-    let err = |e| SqlxBrokerError::statement(table.name(), "claim", e);
-    Ok(ClaimedRow {
-        id: row.try_get(alias::ID).map_err(err)?,
-        attempt: row.try_get(alias::ATTEMPT).map_err(err)?,
-        key,
-        row,
-    })
+    ClaimedRow::read(row, key).map_err(|e| SqlxBrokerError::statement(table.name(), "claim", e))
 }
 
 /// attempt, locked_until, due_at, processed, dead.
@@ -254,6 +244,15 @@ impl Backend for MySqlBackend {
     type RowLock = MySqlRowLock;
     type Lease = MySqlLease;
     type Advisory = MySqlAdvisory;
+
+    fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
+        use broker_core::driver::ErrorClass as Core;
+        match crate::sql::classify(error) {
+            crate::sql::ErrorClass::Transient => Core::Transient,
+            crate::sql::ErrorClass::Connection => Core::Connection,
+            crate::sql::ErrorClass::Permanent => Core::Permanent,
+        }
+    }
 
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::default_for("MySQL/MariaDB");
@@ -443,7 +442,7 @@ impl Backend for MySqlBackend {
         for sql in statements {
             if let Err(e) = conn.execute(sqlx::AssertSqlSafe(sql.clone())).await {
                 conn.finish();
-                return Err(SqlxBrokerError::statement("", "ddl", e));
+                return Err(SqlxBrokerError::ddl(sql, e));
             }
         }
         conn.finish();
@@ -487,13 +486,11 @@ impl MySqlBackend {
         .map_err(|e| SqlxBrokerError::statement(name, "version", e))?;
         version::check(&found)?;
         let Some(database) = database else {
-            return Err(SqlxBrokerError::Schema {
+            return Err(SqlxBrokerError::Setup {
                 table: name.to_owned(),
                 what:
                     "the connection has no default database; name it in the URL (mysql://host/db)"
                         .into(),
-                statement: "database check",
-                source: sqlx::Error::Configuration("no default database".into()),
             });
         };
         schema::check_table(conn, table, utc != 0).await?;

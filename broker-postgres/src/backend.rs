@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, alias};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -92,11 +92,7 @@ impl PgBackend {
             .max_connections(16)
             .connect(url)
             .await
-            .map_err(|e| SqlxBrokerError::Statement {
-                table: String::new(),
-                name: "connect",
-                source: e,
-            })?;
+            .map_err(|source| SqlxBrokerError::Connect { source })?;
         Ok(Broker::owning_pool(Self::new(pool)))
     }
 }
@@ -109,12 +105,7 @@ pub(crate) fn claimed(
     row: PgRow,
     key: Option<String>,
 ) -> Result<ClaimedRow<Postgres>, sqlx::Error> {
-    Ok(ClaimedRow {
-        id: row.try_get(alias::ID)?,
-        attempt: row.try_get(alias::ATTEMPT)?,
-        key,
-        row,
-    })
+    ClaimedRow::read(row, key)
 }
 
 async fn acquire(pool: &PgPool, table: &str) -> Result<sqlx::pool::PoolConnection<Postgres>> {
@@ -256,6 +247,15 @@ impl Backend for PgBackend {
     type RowLock = PgRowLock;
     type Lease = PgLease;
     type Advisory = PgAdvisory;
+
+    fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
+        use broker_core::driver::ErrorClass as Core;
+        match crate::sql::classify(error) {
+            crate::sql::ErrorClass::Transient => Core::Transient,
+            crate::sql::ErrorClass::Connection => Core::Connection,
+            crate::sql::ErrorClass::Permanent => Core::Permanent,
+        }
+    }
 
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::default_for("PostgreSQL");
@@ -446,7 +446,7 @@ impl Backend for PgBackend {
         for sql in statements {
             conn.execute(AssertSqlSafe(sql.clone()))
                 .await
-                .map_err(|e| SqlxBrokerError::statement("", "ddl", e))?;
+                .map_err(|e| SqlxBrokerError::ddl(sql, e))?;
         }
         Ok(())
     }

@@ -4,13 +4,13 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::driver::{ClaimedRow, NotOffered, Prepared, alias};
+use broker_core::driver::{ClaimedRow, NotOffered, Prepared};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
-use sqlx::{Executor, Row, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
 use crate::advisory::SqliteAdvisory;
 use crate::keys::KeyTable;
@@ -40,12 +40,8 @@ impl SqliteBackend {
     /// the writer), and a busy timeout, so concurrent workers wait for the one writer instead of
     /// failing with "database is locked".
     pub fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
-        let options =
-            SqliteConnectOptions::from_str(url).map_err(|e| SqlxBrokerError::Statement {
-                table: String::new(),
-                name: "connect",
-                source: e,
-            })?;
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|source| SqlxBrokerError::Connect { source })?;
         Ok(options
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -59,11 +55,7 @@ impl SqliteBackend {
             .max_connections(8)
             .connect_with(Self::connect_options(url)?)
             .await
-            .map_err(|e| SqlxBrokerError::Statement {
-                table: String::new(),
-                name: "connect",
-                source: e,
-            })?;
+            .map_err(|source| SqlxBrokerError::Connect { source })?;
         Ok(Broker::owning_pool(Self::new(pool)))
     }
 
@@ -87,13 +79,7 @@ pub(crate) fn claimed(
     row: SqliteRow,
     key: Option<String>,
 ) -> Result<ClaimedRow<Sqlite>> {
-    let err = |e| SqlxBrokerError::statement(table.name(), "claim", e);
-    Ok(ClaimedRow {
-        id: row.try_get(alias::ID).map_err(err)?,
-        attempt: row.try_get(alias::ATTEMPT).map_err(err)?,
-        key,
-        row,
-    })
+    ClaimedRow::read(row, key).map_err(|e| SqlxBrokerError::statement(table.name(), "claim", e))
 }
 
 async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {
@@ -107,6 +93,27 @@ impl Backend for SqliteBackend {
     type RowLock = NotOffered<Sqlite>;
     type Lease = SqliteLease;
     type Advisory = SqliteAdvisory;
+
+    /// SQLite's busy (5) and locked (6) result codes, with their extended codes, are transient
+    /// (another writer held the file past the busy timeout); I/O errors and a pool that cannot
+    /// hand out a connection are connection errors; the rest is permanent.
+    fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
+        use broker_core::driver::ErrorClass;
+        match error {
+            sqlx::Error::Database(db) => {
+                let code = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+                if matches!(code % 256, 5 | 6) {
+                    ErrorClass::Transient
+                } else {
+                    ErrorClass::Permanent
+                }
+            }
+            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+                ErrorClass::Connection
+            }
+            _ => ErrorClass::Permanent,
+        }
+    }
 
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::default_for("SQLite");
@@ -255,7 +262,7 @@ impl Backend for SqliteBackend {
         for sql in statements {
             conn.execute(sqlx::AssertSqlSafe(sql.clone()))
                 .await
-                .map_err(|e| SqlxBrokerError::statement("", "ddl", e))?;
+                .map_err(|e| SqlxBrokerError::ddl(sql, e))?;
         }
         Ok(())
     }

@@ -79,6 +79,24 @@ pub struct ClaimedRow<DB: Database> {
     pub row: DB::Row,
 }
 
+impl<DB: Database> ClaimedRow<DB>
+where
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
+{
+    /// Reads the broker's columns of a claimed row by their [`alias`]es (the claim statement
+    /// must select them as 64-bit integers), keeping the whole row for the handler's type.
+    pub fn read(row: DB::Row, key: Option<String>) -> std::result::Result<Self, sqlx::Error> {
+        use sqlx::Row;
+        Ok(Self {
+            id: row.try_get(alias::ID)?,
+            attempt: row.try_get(alias::ATTEMPT)?,
+            key,
+            row,
+        })
+    }
+}
+
 /// A due row an advisory claim may take, with its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
@@ -323,6 +341,22 @@ impl RowState {
     }
 }
 
+/// What a driver error says about running the statement again: the backend's
+/// [`Backend::classify`] maps its database's codes, and the core decides from it (a
+/// settlement that failed `Permanent`ly counts against its row; see
+/// [`SETTLE_FAILURE_LIMIT`](crate::SETTLE_FAILURE_LIMIT)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The server undid the statement (deadlock, serialization failure, lock not available,
+    /// SQLite busy or locked): it can run again and will likely work.
+    Transient,
+    /// The connection failed or the server went away: the statement may or may not have
+    /// landed, and a fresh connection may work.
+    Connection,
+    /// Anything else: a constraint, a trigger, a type, a missing table. It will fail again.
+    Permanent,
+}
+
 /// A database backend: it prepares a table's strategy, publishes rows, and writes DDL.
 pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// The sqlx database.
@@ -336,6 +370,9 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
+
+    /// Classifies a driver error of this database (see [`ErrorClass`]).
+    fn classify(&self, error: &sqlx::Error) -> ErrorClass;
 
     /// The pool the broker runs on.
     fn pool(&self) -> &Pool<Self::Db>;
