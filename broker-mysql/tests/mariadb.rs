@@ -7,14 +7,9 @@ mod common;
 
 use std::time::{Duration, SystemTime};
 
-use broker_core::{
-    Broker, ClaimMode, ColumnType, NewJob, Outcome, SqlxBrokerError, SubscribeOptions,
-    TableDescription,
-};
+use broker_core::{Broker, ClaimMode, ColumnType, NewJob, SqlxBrokerError, TableDescription};
 use broker_mysql::{MySqlBackend, lock_name};
-use broker_testkit::{
-    Fixture, Job, JobText, claim_one, claim_within, describe, unique_name, wait_until,
-};
+use broker_testkit::{Fixture, Job, JobText, claim_one, describe, unique_name, wait_until};
 use common::MySql;
 use sqlx::{AssertSqlSafe, Executor};
 
@@ -25,139 +20,6 @@ async fn fixture(
     tweak: impl FnOnce(broker_core::TableBuilder) -> broker_core::TableBuilder,
 ) -> Fx {
     Fixture::<MySql>::new(mode, tweak).await
-}
-
-/// Waits (up to 5 s) until none of `keys` is held by any session and the broker's sessions sit
-/// in no open transaction; connections go back to the pool in tasks of their own.
-async fn assert_nothing_held(fx: &Fx, keys: &[String], when: &str) {
-    for poll in 0.. {
-        let mut held = Vec::new();
-        for key in keys {
-            if common::key_is_held(&fx.broker, key).await {
-                held.push(key.clone());
-            }
-        }
-        let open = common::open_transactions(&fx.broker).await;
-        if held.is_empty() && open == 0 {
-            return;
-        }
-        assert!(
-            poll < 250,
-            "{when}: keys still held {held:?}, {open} open transactions"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-async fn settlement_and_shutdown_leave_nothing_held(fx: Fx) {
-    let q = fx.queue().await;
-    let jobs: Vec<_> = (0..8)
-        .map(|i| {
-            let job = fx.job(i);
-            if fx.table.group().is_some() {
-                job.group(format!("g{}", i % 2))
-            } else {
-                job
-            }
-        })
-        .collect();
-    q.publish_batch(&jobs).await.unwrap();
-    // IS_USED_LOCK(<lock name of key-k{i}>) for every key of the test.
-    let keys: Vec<String> = (0..8).map(|i| format!("key-k{i}")).collect();
-    let first = claim_one(&q).await;
-    let second = claim_one(&q).await;
-    if fx.table.mode() == ClaimMode::Advisory {
-        for d in [&first, &second] {
-            assert!(common::key_is_held(&fx.broker, d.key().unwrap()).await);
-        }
-    }
-    first.ack().await.unwrap();
-    second.retry().await.unwrap();
-    assert_nothing_held(&fx, &keys, "after settlement").await;
-
-    let sub = q
-        .subscribe(
-            SubscribeOptions::new()
-                .concurrency(3)
-                .poll_interval(Duration::from_millis(50)),
-            |_job| async move {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                Outcome::Ack
-            },
-        )
-        .expect("subscribe");
-    wait_until("every row acked", Duration::from_secs(20), || {
-        let q = q.clone();
-        async move { q.metrics().acked == 8 }
-    })
-    .await;
-    sub.shutdown().await;
-    assert_nothing_held(&fx, &keys, "after shutdown").await;
-    let leaks = common::leaks(&fx.broker).await;
-    assert!(leaks.is_empty(), "{leaks:?}");
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn row_lock_fifo_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
-    let fx = fixture(ClaimMode::RowLock, |b| b.group("grp").fifo(true)).await;
-    settlement_and_shutdown_leave_nothing_held(fx).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn lease_settlement_and_shutdown_leave_no_lock_and_no_open_transaction() {
-    settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Lease, |b| b).await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn advisory_settlement_and_shutdown_free_every_key() {
-    settlement_and_shutdown_leave_nothing_held(fixture(ClaimMode::Advisory, |b| b).await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn advisory_fifo_settlement_and_shutdown_free_every_key() {
-    let fx = fixture(ClaimMode::Advisory, |b| b.group("grp").fifo(true)).await;
-    settlement_and_shutdown_leave_nothing_held(fx).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn killing_a_row_lock_deliverys_connection_returns_the_row_at_once_without_an_attempt() {
-    let mut fx = fixture(ClaimMode::RowLock, |b| b).await;
-    let q = fx.queue().await;
-    let other = fx.other_queue().await;
-    let id = fx.publish(&q, 1).await[0];
-    let mut d = claim_one(&q).await;
-    let connection: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-        .fetch_one(&mut **d.transaction().await.unwrap().unwrap())
-        .await
-        .unwrap();
-    assert!(
-        other.claim(1).await.unwrap().is_empty(),
-        "the open transaction holds the row"
-    );
-    let mut admin = common::admin().await;
-    admin
-        .execute(AssertSqlSafe(format!("KILL CONNECTION {connection}")))
-        .await
-        .unwrap();
-    let again = claim_within(
-        &other,
-        Duration::from_secs(5),
-        "the killed transaction's row to come back",
-    )
-    .await;
-    assert_eq!(again.id(), id);
-    assert_eq!(again.attempt(), 1, "the rollback used no attempt");
-    assert_eq!(q.row_state(id).await.unwrap().unwrap().attempt, 1);
-    let err = d.ack().await.unwrap_err();
-    assert!(
-        matches!(err, SqlxBrokerError::Statement { .. }),
-        "the dead connection's ack fails: {err:?}"
-    );
-    again.ack().await.unwrap();
-    assert!(q.row_state(id).await.unwrap().is_none());
-    let _ = sqlx::Connection::close(admin).await;
-    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -516,53 +378,6 @@ async fn a_retry_rolls_back_the_handlers_writes_but_keeps_the_row_locked() {
     let state = q.row_state(id).await.unwrap().unwrap();
     assert!(state.dead);
     assert_eq!(state.attempt, 3, "the dead letter counted its attempt");
-    fx.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn killing_a_key_connection_frees_the_key_and_the_stale_delivery_cannot_settle() {
-    let mut fx = fixture(ClaimMode::Advisory, |b| b).await;
-    let q = fx.queue().await;
-    let other = fx.other_queue().await;
-    let id = fx.publish(&q, 1).await[0];
-    let stale = claim_one(&q).await;
-    let name = fx.broker.backend().lock_name("key-k0").unwrap();
-    // IS_USED_LOCK names the session that holds the key: the delivery's own connection.
-    let holder: u64 = sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
-        .bind(&name)
-        .fetch_one(fx.broker.pool())
-        .await
-        .unwrap();
-    assert!(
-        other.claim(1).await.unwrap().is_empty(),
-        "the key holds the row"
-    );
-    let mut admin = common::admin().await;
-    admin
-        .execute(AssertSqlSafe(format!("KILL CONNECTION {holder}")))
-        .await
-        .unwrap();
-    let fresh = claim_within(&other, Duration::from_secs(5), "the key to be freed").await;
-    assert_eq!(
-        (fresh.id(), fresh.attempt()),
-        (id, 2),
-        "the take counted one more"
-    );
-    let err = stale.ack().await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            SqlxBrokerError::Statement { .. } | SqlxBrokerError::ClaimLost { .. }
-        ),
-        "{err:?}"
-    );
-    assert!(
-        q.row_state(id).await.unwrap().is_some(),
-        "the stale ack changed nothing"
-    );
-    fresh.ack().await.unwrap();
-    assert!(q.row_state(id).await.unwrap().is_none());
-    let _ = sqlx::Connection::close(admin).await;
     fx.cleanup().await;
 }
 

@@ -116,6 +116,8 @@ macro_rules! conformance_suite {
                 a_settlement_that_always_fails_ends_in_the_dead_letters,
                 a_settlement_that_always_fails_without_dead_letters_backs_off,
                 concurrency_200_drains_like_8_on_the_default_pool,
+                settlement_and_shutdown_leave_nothing_held_in_mode,
+                fifo_settlement_and_shutdown_leave_nothing_held,
             );
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_killed_worker_gives_its_rows_back() {
@@ -172,7 +174,20 @@ macro_rules! conformance_suite {
     };
     (@server $db:ty; $mode:ident; yes) => {
         $crate::conformance_suite!(@each $db; $mode; killed_connections_lose_nothing);
+        $crate::conformance_suite!(@server_only $db; $mode);
     };
+    // Killed connections of one mode only.
+    (@server_only $db:ty; row_lock) => {
+        $crate::conformance_suite!(@each $db; row_lock;
+            a_killed_row_lock_connection_returns_the_row_at_once_without_an_attempt,
+        );
+    };
+    (@server_only $db:ty; advisory) => {
+        $crate::conformance_suite!(@each $db; advisory;
+            a_killed_key_connection_frees_the_key_and_the_stale_delivery_cannot_settle,
+        );
+    };
+    (@server_only $db:ty; lease) => {};
     (@server $db:ty; $mode:ident; no) => {};
     // Faults that need server connections and are about no one mode.
     (@server_plain $db:ty; yes) => {
