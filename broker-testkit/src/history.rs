@@ -18,6 +18,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use broker_core::ClaimMode;
 
+/// How long after a connection kill a claim's reply, read off the socket before the kill took
+/// the session, may still reach its handler on a loaded machine.
+const CLAIM_REPLY_SLACK: Duration = Duration::from_secs(1);
+
 /// What a handler did with a delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recorded {
@@ -415,10 +419,12 @@ impl History {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         // A delivery whose hold a fault took before its handler began (its key's session or its
-        // transaction's connection died, and the handler ran after the kill was over) is not
-        // among those the kill marked, but its settlement fails: one that a fault of its broker
-        // preceded and that was never reported through did not finish its row, and gets the
-        // checks of a cut settlement.
+        // transaction's connection died, and the claim's reply, already on the wire, reached the
+        // handler after the kill was over) is not among those the kill marked, but its
+        // settlement fails: one that overlapped a fault of its broker, or began within
+        // CLAIM_REPLY_SLACK after a connection kill, and that was never reported through did not finish its
+        // row, and gets the checks of a cut settlement. A delivery that began later had a live
+        // connection, and a settlement of it that never landed is a failure.
         let next = next_starts(&records);
         for (i, r) in records.iter_mut().enumerate() {
             if r.end.is_none() {
@@ -427,10 +433,17 @@ impl History {
             if r.cut.is_some() || final_of(r, expect.max_attempts).is_none() {
                 continue;
             }
-            let Some(fault) = faults
-                .iter()
-                .find(|f| f.broker == r.broker && f.to >= r.start)
-            else {
+            let end = r.end.unwrap_or(Duration::MAX);
+            let Some(fault) = faults.iter().find(|f| {
+                // A crashed process runs nothing after it; a live one may still start handlers
+                // for claims its killed connections answered.
+                let reach = if f.crash {
+                    f.to
+                } else {
+                    f.to + CLAIM_REPLY_SLACK
+                };
+                f.broker == r.broker && end >= f.from && r.start <= reach
+            }) else {
                 continue;
             };
             let through = crate::settlements::settled(&self.table, r.id, r.attempt)
@@ -985,5 +998,24 @@ mod tests {
                 (3, None)
             ]
         );
+    }
+    #[test]
+    fn a_claim_reply_that_outlived_its_connection_is_cut_only_right_after_the_kill() {
+        // The kill runs from 20 to 21 ms. Broker 0 starts a handler for row 1 at `start` whose
+        // ack never lands; broker 1 runs row 1 alongside it at the same attempt and acks it.
+        let run = |start: u64| {
+            let mut other = rec(1, 1, start + 2, start + 20, Some(Recorded::Ack));
+            other.broker = 1;
+            let h = history(vec![
+                rec(1, 1, start, start + 10, Some(Recorded::Ack)),
+                other,
+            ]);
+            settled(&h, 1, 1, start + 21);
+            h.connections_killed(0, Duration::from_millis(20), Duration::from_millis(21));
+            h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+        };
+        run(25).unwrap();
+        let err = run(1_500).unwrap_err();
+        assert!(err.contains("one row in two deliveries"), "{err}");
     }
 }
