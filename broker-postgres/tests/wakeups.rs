@@ -103,8 +103,10 @@ async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
         let events = events.clone();
         tasks.push(tokio::spawn(async move {
             for job in jobs {
-                elsewhere.publish(job).await.expect("publish");
+                // Logged first: the listener may log the publish's notification before the
+                // publish call returns here.
                 log(&events, Event::Published);
+                elsewhere.publish(job).await.expect("publish");
             }
         }));
     }
@@ -116,11 +118,11 @@ async fn a_burst_of_publishes_sends_few_notifications_and_wakes_every_row() {
     // covers them.
     const TAIL: usize = 5;
     for i in 0..TAIL {
+        log(&events, Event::Published);
         elsewhere
             .publish(fx.job(8 * PER_TASK + i))
             .await
             .expect("publish");
-        log(&events, Event::Published);
     }
     let published = 8 * PER_TASK + TAIL;
     trailing_notification(&events).await;
@@ -166,8 +168,10 @@ async fn publishes_in_callers_transactions_wake_another_process_when_they_commit
                 .publish_in(&mut *tx, &[fx.job(round * 4 + i)])
                 .await
                 .unwrap();
-            tx.commit().await.unwrap();
+            // Logged before the commit: the listener may log this commit's notification
+            // before the commit call returns here.
             log(&events, Event::Published);
+            tx.commit().await.unwrap();
         }
         trailing_notification(&events).await;
         let want = (round as u64 + 1) * 4;

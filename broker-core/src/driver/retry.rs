@@ -1,0 +1,140 @@
+//! The one retry policy every backend runs its statements under, so a deadlock or a lost
+//! connection costs the same waiting on every database. A backend passes its own
+//! [`Backend::classify`](super::Backend::classify) (through a closure that finds the driver
+//! error in its error type); the policy decides what runs again.
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::time::Duration;
+
+use super::ErrorClass;
+use super::clock;
+
+/// How many times a statement the server undid runs again before its error is returned.
+pub const TRANSIENT_RETRIES: u32 = 3;
+
+/// How long before a lease's expiry a fenced settlement stops trying again after lost
+/// connections: past the expiry another claim may hold the row, and the fence would refuse.
+pub const LEASE_MARGIN_MS: i64 = 1_000;
+
+/// The first pause after a lost connection; it doubles up to [`MAX_CONNECTION_BACKOFF`].
+pub const FIRST_CONNECTION_BACKOFF: Duration = Duration::from_millis(50);
+
+/// The longest pause between two tries of a fenced statement after lost connections.
+pub const MAX_CONNECTION_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Runs `work` again when it fails with an error `class` calls [`ErrorClass::Transient`] (the
+/// server undid it: deadlock, lock wait, SQLite busy), up to [`TRANSIENT_RETRIES`] times after a
+/// pause that grows with each try, so a claim that lost a race is not reported as failed.
+///
+/// Only for work that a failed try leaves unchanged: one statement in autocommit, or a
+/// transaction that rolled back.
+pub async fn transient<T, E, F, Fut>(class: impl Fn(&E) -> ErrorClass, mut work: F) -> Result<T, E>
+where
+    E: Debug,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut tries = 0;
+    loop {
+        match work().await {
+            Err(e) if tries < TRANSIENT_RETRIES && class(&e) == ErrorClass::Transient => {
+                tries += 1;
+                tracing::debug!(error = ?e, tries, "the server undid the statement; running it again");
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Runs a fenced settlement or renewal `work` under [`transient`], and again on a fresh
+/// connection after a lost one (an [`ErrorClass::Connection`] error), with a pause from
+/// [`FIRST_CONNECTION_BACKOFF`] doubling to [`MAX_CONNECTION_BACKOFF`], while the host's clock
+/// after the pause is before `deadline_ms` (a lease's expiry less a margin: past it another
+/// claim may hold the row; `i64::MAX` where nothing else can take it).
+///
+/// A try whose connection was lost may have landed; the fence makes the next try change
+/// nothing then. So a server restart or a killed session costs a settlement some waiting, not a
+/// second run of its handler.
+pub async fn fenced<T, E, F, Fut>(
+    class: impl Fn(&E) -> ErrorClass,
+    deadline_ms: i64,
+    mut work: F,
+) -> Result<T, E>
+where
+    E: Debug,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let mut backoff = FIRST_CONNECTION_BACKOFF;
+    loop {
+        match transient(&class, &mut work).await {
+            Err(e)
+                if class(&e) == ErrorClass::Connection
+                    && clock::after_ms(backoff) < deadline_ms =>
+            {
+                tracing::debug!(error = ?e, ?backoff, "connection lost; running the fenced statement again on a fresh connection");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_CONNECTION_BACKOFF);
+            }
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    fn by_name(e: &&'static str) -> ErrorClass {
+        match *e {
+            "deadlock" => ErrorClass::Transient,
+            "gone" => ErrorClass::Connection,
+            _ => ErrorClass::Permanent,
+        }
+    }
+
+    /// Fails with `errors` in turn, then succeeds; returns the result and how many tries ran.
+    async fn run(
+        errors: &[&'static str],
+        fenced_until: Option<i64>,
+    ) -> (Result<(), &'static str>, u32) {
+        let tries = AtomicU32::new(0);
+        let work = || {
+            let n = tries.fetch_add(1, Ordering::SeqCst) as usize;
+            let out = errors.get(n).map_or(Ok(()), |e| Err(*e));
+            async move { out }
+        };
+        let out = match fenced_until {
+            Some(deadline) => fenced(by_name, deadline, work).await,
+            None => transient(by_name, work).await,
+        };
+        (out, tries.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn transient_errors_run_again_a_bounded_number_of_times() {
+        assert_eq!(run(&["deadlock", "deadlock"], None).await, (Ok(()), 3));
+        assert_eq!(run(&["deadlock"; 4], None).await, (Err("deadlock"), 4));
+        assert_eq!(run(&["constraint"], None).await, (Err("constraint"), 1));
+        // Outside a fence a lost connection is not run again: the statement may have landed.
+        assert_eq!(run(&["gone"], None).await, (Err("gone"), 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fenced_work_runs_again_after_lost_connections_until_its_deadline() {
+        assert_eq!(
+            run(&["gone", "deadlock", "gone"], Some(i64::MAX)).await,
+            (Ok(()), 4)
+        );
+        assert_eq!(
+            run(&["gone", "constraint"], Some(i64::MAX)).await,
+            (Err("constraint"), 2)
+        );
+        // A deadline already past: the lost connection is the answer.
+        assert_eq!(run(&["gone"], Some(0)).await, (Err("gone"), 1));
+    }
+}
