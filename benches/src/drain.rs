@@ -74,6 +74,7 @@ pub fn describe(
         ClaimMode::RowLock => b,
         ClaimMode::Lease => b.locked_until("locked_until"),
         ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("k-{k}"),
+        other => panic!("no bench table for {other:?}"),
     };
     if fifo_groups.is_some() {
         b = b.group("grp").fifo(true);

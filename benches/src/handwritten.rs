@@ -201,6 +201,7 @@ pub async fn postgres(
             })
             .await
         }
+        other => Err(format!("no hand-written loop for {other:?}").into()),
     }
 }
 
@@ -385,6 +386,7 @@ pub async fn mysql(
             })
             .await
         }
+        other => Err(format!("no hand-written loop for {other:?}").into()),
     }
 }
 
@@ -509,5 +511,6 @@ pub async fn sqlite(
             })
             .await
         }
+        other => Err(format!("no hand-written loop for {other:?}").into()),
     }
 }

@@ -71,6 +71,7 @@ pub fn mode_key(mode: ClaimMode) -> &'static str {
         ClaimMode::RowLock => "rowlock",
         ClaimMode::Lease => "lease",
         ClaimMode::Advisory => "advisory",
+        _ => "other",
     }
 }
 

@@ -4,6 +4,7 @@ use std::fmt;
 
 /// What holds a claimed row while its handler runs (SPEC section 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ClaimMode {
     /// An open transaction holds the row (`FOR UPDATE SKIP LOCKED`). Chosen when the description
     /// sets neither `locked_until` nor `advisory_lock`.

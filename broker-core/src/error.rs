@@ -249,6 +249,18 @@ impl SqlxBrokerError {
         }
     }
 
+    /// A claim mode the backend does not know: a newer core than the backend was built for.
+    /// [`ClaimMode`] is `#[non_exhaustive]`, so every backend answers a mode it lacks with this
+    /// instead of failing to compile.
+    pub fn mode_not_offered(table: &str, mode: ClaimMode, database: &str) -> Self {
+        Self::Unsupported {
+            table: table.to_owned(),
+            message: format!(
+                "{mode:?} mode is not offered by this version of the {database} backend; upgrade the backend crate to the core's version"
+            ),
+        }
+    }
+
     /// A failed DDL statement.
     pub fn ddl(statement: &str, source: sqlx::Error) -> Self {
         Self::Ddl {

@@ -7,6 +7,9 @@ use crate::error::{Result, SqlxBrokerError};
 use crate::table::TableDescription;
 
 /// A value for a declared column (see [`TableBuilder::column`](crate::TableBuilder::column)).
+///
+/// Exhaustive on purpose (not `#[non_exhaustive]`): every backend turns each variant into SQL,
+/// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Value {
     /// SQL NULL.

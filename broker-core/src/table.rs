@@ -6,6 +6,9 @@ use crate::claim_mode::ClaimMode;
 use crate::error::{Result, SqlxBrokerError};
 
 /// The SQL type of a column the DDL helper creates.
+///
+/// Exhaustive on purpose (not `#[non_exhaustive]`): every backend turns each variant into SQL,
+/// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ColumnType {
     /// Text (`TEXT`; `VARCHAR(255)` on MySQL where the column is indexed).
@@ -19,6 +22,9 @@ pub enum ColumnType {
 }
 
 /// Where a row goes when it is dead-lettered.
+///
+/// Exhaustive on purpose (not `#[non_exhaustive]`): every backend turns each variant into SQL,
+/// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeadLetter {
     /// The row moves to this table, which has the same columns in the same order (the DDL helper
@@ -29,6 +35,9 @@ pub enum DeadLetter {
 }
 
 /// The isolation level a claim transaction opens at.
+///
+/// Exhaustive on purpose (not `#[non_exhaustive]`): every backend turns each variant into SQL,
+/// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IsolationLevel {
     /// READ COMMITTED (the default for claims on MySQL and MariaDB, and PostgreSQL's default).
@@ -51,6 +60,9 @@ impl IsolationLevel {
 }
 
 /// One piece of an advisory key template.
+///
+/// Exhaustive on purpose (not `#[non_exhaustive]`): every backend turns each variant into SQL,
+/// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyPart {
     /// Text copied into the key as it is.

@@ -218,7 +218,9 @@ impl MySqlAdvisory {
         }
     }
 
-    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+    /// Every statement the strategy runs, by name, so prepare can check each one against the
+    /// table.
+    pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.candidates];
         match &self.take {
             Take::Update { update, read } => out.extend([update, read]),
@@ -227,7 +229,7 @@ impl MySqlAdvisory {
             } => out.extend([read, guard, count]),
         }
         out.extend(self.settle.named());
-        out
+        out.into_iter().map(Stmt::named).collect()
     }
 
     fn err(&self, name: &'static str) -> impl Fn(sqlx::Error) -> SqlxBrokerError + '_ {
@@ -400,9 +402,11 @@ impl AdvisoryStrategy for MySqlAdvisory {
             Ok(None) => {
                 // NULL: an error inside GET_LOCK; the session may hold nothing useful.
                 drop(conn);
-                Err(self.err("lock")(sqlx::Error::Protocol(format!(
-                    "GET_LOCK({name:?}) returned NULL"
-                ))))
+                Err(SqlxBrokerError::Invariant {
+                    table: self.table.name().to_owned(),
+                    statement: "lock",
+                    what: format!("GET_LOCK({name:?}) returned NULL"),
+                })
             }
             Err(e) => {
                 // Whatever the statement did, closing the connection frees any lock it took.
@@ -440,7 +444,7 @@ impl AdvisoryStrategy for MySqlAdvisory {
             {
                 let deadline =
                     broker_core::driver::clock::after_ms(std::time::Duration::from_secs(10));
-                settle_retrying(self.table.name(), "settle", deadline, || async {
+                settle_retrying(deadline, || async {
                     let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
                     let out = self
                         .settle

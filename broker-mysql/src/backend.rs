@@ -246,12 +246,7 @@ impl Backend for MySqlBackend {
     type Advisory = MySqlAdvisory;
 
     fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
-        use broker_core::driver::ErrorClass as Core;
-        match crate::sql::classify(error) {
-            crate::sql::ErrorClass::Transient => Core::Transient,
-            crate::sql::ErrorClass::Connection => Core::Connection,
-            crate::sql::ErrorClass::Permanent => Core::Permanent,
-        }
+        crate::sql::classify(error)
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -511,6 +506,13 @@ impl MySqlBackend {
                 let s = MySqlAdvisory::new(self.pool.clone(), table.clone(), database, group_index);
                 schema::check_statements(conn, table, &s.statements()).await?;
                 Prepared::Advisory(s)
+            }
+            mode => {
+                return Err(SqlxBrokerError::mode_not_offered(
+                    table.name(),
+                    mode,
+                    "MySQL",
+                ));
             }
         };
         Ok(prepared)

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
@@ -18,8 +19,8 @@ use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, LEASE_MARGIN_MS, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
-    settle_retrying, whole_seconds,
+    Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying, settle_retrying,
+    whole_seconds,
 };
 
 /// The lease strategy of one MySQL / MariaDB table.
@@ -94,11 +95,13 @@ impl MySqlLease {
         }
     }
 
-    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+    /// Every statement the strategy runs, by name, so prepare can check each one against the
+    /// table.
+    pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.select, &self.update_one, &self.renew];
         out.extend(&self.guard);
         out.extend(self.settle.named());
-        out
+        out.into_iter().map(Stmt::named).collect()
     }
 
     fn err(&self, name: &'static str) -> impl Fn(sqlx::Error) -> SqlxBrokerError + '_ {
@@ -175,15 +178,15 @@ impl MySqlLease {
             // The rows are locked by this transaction, so this cannot happen; if it does, claim
             // nothing rather than hand out a row without its lease.
             tx.rollback().await.map_err(self.err("rollback"))?;
-            return Err(SqlxBrokerError::statement(
-                name,
-                "claim update",
-                sqlx::Error::Protocol(format!(
+            return Err(SqlxBrokerError::Invariant {
+                table: name.to_owned(),
+                statement: "claim update",
+                what: format!(
                     "the claim locked {} rows but updated {}",
                     out.len(),
                     done.rows_affected()
-                )),
-            ));
+                ),
+            });
         }
         tx.commit().await.map_err(self.err("commit"))?;
         Ok(out)
@@ -222,27 +225,18 @@ impl LeaseStrategy for MySqlLease {
         now_ms: i64,
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
-        retrying(self.table.name(), "claim", || {
-            self.claim_once(limit, now_ms, expires_ms)
-        })
-        .await
+        retrying(|| self.claim_once(limit, now_ms, expires_ms)).await
     }
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
         let deadline = token.expires_ms - LEASE_MARGIN_MS;
-        settle_retrying(self.table.name(), "renew", deadline, || {
-            self.renew_once(id, token, expires_ms)
-        })
-        .await
+        settle_retrying(deadline, || self.renew_once(id, token, expires_ms)).await
     }
 
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         // Every settlement is fenced on the token, so running one again after a deadlock or a
         // lost connection changes nothing twice.
         let deadline = token.expires_ms - LEASE_MARGIN_MS;
-        settle_retrying(self.table.name(), "settle", deadline, || {
-            self.settle_once(token, settle)
-        })
-        .await
+        settle_retrying(deadline, || self.settle_once(token, settle)).await
     }
 }

@@ -63,11 +63,13 @@ impl MySqlRowLock {
         }
     }
 
-    pub(crate) fn statements(&self) -> Vec<&Stmt> {
+    /// Every statement the strategy runs, by name, so prepare can check each one against the
+    /// table.
+    pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.claim];
         out.extend(&self.guard);
         out.extend(self.settle.named());
-        out
+        out.into_iter().map(Stmt::named).collect()
     }
 
     fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {
@@ -120,7 +122,7 @@ impl RowLockStrategy for MySqlRowLock {
     type Db = MySql;
 
     async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
-        retrying(self.table.name(), "claim", || self.claim_once(now_ms)).await
+        retrying(|| self.claim_once(now_ms)).await
     }
 
     async fn begin_writes(&self, tx: &mut Transaction<'static, MySql>) -> Result<()> {

@@ -7,7 +7,7 @@ use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{Executor, MySqlConnection};
 
 use crate::fifo::GROUP_INDEX;
-use crate::sql::{Stmt, ident, unfinished_columns};
+use crate::sql::{ident, unfinished_columns};
 
 /// The name of the claim index the DDL helper creates.
 pub(crate) const CLAIM_INDEX: &str = "sqlx_broker_claim";
@@ -150,15 +150,15 @@ pub(crate) async fn group_index(
     .map_err(|e| schema("cannot read the table's indexes".into(), e))?;
     match index {
         Some(index) => Ok(Some(index)),
-        None => Err(schema(
-            format!(
+        None => Err(SqlxBrokerError::Setup {
+            table: t.name().to_owned(),
+            what: format!(
                 "the FIFO guard reads a group through an index that starts with the group column \"{group}\", and the table has none; add one, e.g. INDEX {} ({}, {}) as the DDL helper does",
                 ident(GROUP_INDEX),
                 ident(group),
                 ident(t.id())
             ),
-            sqlx::Error::Configuration("no index on the group column".into()),
-        )),
+        }),
     }
 }
 
@@ -263,13 +263,12 @@ pub(crate) async fn check_table(
             ));
         }
         if ty == "timestamp" && !utc {
-            return Err(schema(
-                format!(
+            return Err(SqlxBrokerError::Setup {
+                table: t.name().to_owned(),
+                what: format!(
                     "column \"{column}\" ({role}) is a TIMESTAMP, which the server converts through the session time zone, and this pool's sessions are not UTC; keep sqlx's default MySqlConnectOptions::timezone(Some(\"+00:00\")) or make the column DATETIME(6)"
                 ),
-                "time zone check",
-                sqlx::Error::Configuration("the session time zone is not UTC".into()),
-            ));
+            });
         }
     }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
@@ -293,15 +292,15 @@ pub(crate) async fn check_table(
 pub(crate) async fn check_statements(
     conn: &mut MySqlConnection,
     t: &TableDescription,
-    statements: &[&Stmt],
+    statements: &[(&'static str, &str)],
 ) -> Result<(), SqlxBrokerError> {
-    for stmt in statements {
-        prepare_sql(conn, stmt.sql().to_owned())
+    for &(name, sql) in statements {
+        prepare_sql(conn, sql.to_owned())
             .await
             .map_err(|e| SqlxBrokerError::Schema {
                 table: t.name().to_owned(),
                 what: "a statement does not prepare; check the column types and names".into(),
-                statement: stmt.name,
+                statement: name,
                 source: e,
             })?;
     }

@@ -3,7 +3,6 @@
 //! fragments reach the SQL text.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use broker_core::driver::{Action, LeaseToken, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
@@ -186,6 +185,11 @@ pub(crate) struct Stmt {
 impl Stmt {
     pub(crate) fn sql(&self) -> &str {
         &self.sql
+    }
+
+    /// The statement's name and text, as every backend's `statements()` lists them.
+    pub(crate) fn named(&self) -> (&'static str, &str) {
+        (self.name, &self.sql)
     }
 
     /// The statement with `args` bound in parameter order.
@@ -540,21 +544,8 @@ impl SettleStatements {
     }
 }
 
-/// How the broker treats a driver error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ErrorClass {
-    /// Deadlock (1213), lock wait timeout (1205) or a `NOWAIT` read that met a lock (MySQL 3572;
-    /// MariaDB reports 1205): the server undid the statement (a deadlock, the whole transaction),
-    /// so it can run again.
-    Transient,
-    /// The connection is gone or unusable: killed, server gone away or shutting down, too many
-    /// connections, an I/O error, a pool timeout. What the server did with the last statement
-    /// may be unknown.
-    Connection,
-    /// Anything else: a schema problem, a constraint, a bug.
-    Permanent,
-}
+/// How the broker treats a driver error: the core's classes, which its retry policy reads.
+pub use broker_core::driver::ErrorClass;
 
 /// The MySQL error number of a driver error, if it has one.
 pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
@@ -590,66 +581,32 @@ pub fn is_transient(error: &SqlxBrokerError) -> bool {
         .is_some_and(|s| classify(s) != ErrorClass::Permanent)
 }
 
-/// Runs `work` again (up to three times, after a few milliseconds) when it fails with an error
-/// the server undid (deadlock, lock wait), so a claim that lost a race is not reported as a
-/// failed claim.
-pub(crate) async fn retrying<T, F, Fut>(table: &str, what: &'static str, mut work: F) -> Result<T>
+/// How a broker error counts for the retry policy: by its driver error, if it has one.
+fn class_of(e: &SqlxBrokerError) -> ErrorClass {
+    e.sqlx_source().map_or(ErrorClass::Permanent, classify)
+}
+
+/// Runs `work` under the core's policy for errors the server undid
+/// ([`retry::transient`](broker_core::driver::retry::transient)), so a claim that lost a race
+/// is not reported as a failed claim.
+pub(crate) async fn retrying<T, F, Fut>(work: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    let mut tries = 0u32;
-    loop {
-        match work().await {
-            Err(e)
-                if tries < 3
-                    && e.sqlx_source()
-                        .is_some_and(|s| classify(s) == ErrorClass::Transient) =>
-            {
-                tries += 1;
-                tracing::debug!(table, what, tries, error = %e, "transient error; running it again");
-                tokio::time::sleep(Duration::from_millis(5 << tries)).await;
-            }
-            other => return other,
-        }
-    }
+    broker_core::driver::retry::transient(class_of, work).await
 }
 
-/// Runs a fenced settlement (or renewal) `work` again after a lost connection, on a fresh one,
-/// with a backoff from 50 ms doubling to 1 s, while the host's clock is before `deadline_ms`
-/// (a lease's expiry less a margin: past it another claim may hold the row); errors the server
-/// undid run again as in [`retrying`]. A try whose connection was lost may have landed: the
-/// fence makes the next try change nothing then. So a server restart or a killed session costs
-/// a settlement some waiting, not a second run of its handler.
-pub(crate) async fn settle_retrying<T, F, Fut>(
-    table: &str,
-    what: &'static str,
-    deadline_ms: i64,
-    mut work: F,
-) -> Result<T>
+/// Runs a fenced settlement (or renewal) `work` under the core's policy for fenced statements
+/// ([`retry::fenced`](broker_core::driver::retry::fenced)): again after a lost connection while
+/// the host's clock is before `deadline_ms`.
+pub(crate) async fn settle_retrying<T, F, Fut>(deadline_ms: i64, work: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match retrying(table, what, &mut work).await {
-            Err(e)
-                if e.sqlx_source()
-                    .is_some_and(|s| classify(s) == ErrorClass::Connection)
-                    && broker_core::driver::clock::after_ms(backoff) < deadline_ms =>
-            {
-                tracing::debug!(table, what, error = %e, ?backoff, "connection lost; running the fenced statement again on a fresh connection");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
-            other => return other,
-        }
-    }
+    broker_core::driver::retry::fenced(class_of, deadline_ms, work).await
 }
-
-/// How long before a lease's expiry a settlement stops trying again after connection errors.
-pub(crate) const LEASE_MARGIN_MS: i64 = 1_000;
 
 /// Executes a statement that takes no parameters over the text protocol (transaction control:
 /// `SAVEPOINT`, `ROLLBACK TO SAVEPOINT`).

@@ -254,7 +254,7 @@ async fn a_timestamp_column_needs_utc_sessions() {
     let shifted = Broker::new(MySqlBackend::new(pool));
     let err = shifted.queue::<Job>(table).await.unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, SqlxBrokerError::Schema { .. }), "{err:?}");
+    assert!(matches!(err, SqlxBrokerError::Setup { .. }), "{err:?}");
     assert!(
         msg.contains("\"locked_until\"") && msg.contains("TIMESTAMP") && msg.contains("UTC"),
         "{msg}"

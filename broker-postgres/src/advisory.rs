@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
 use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
@@ -246,7 +247,7 @@ impl AdvisoryStrategy for PgAdvisory {
                 .await
                 .map_err(Failed::new("take"))
             {
-                Err(e) if e.is_transient() && tries < 3 => tries += 1,
+                Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
                 other => break other.map_err(|e| e.on(self.table.name()))?,
             }
         };
@@ -270,7 +271,7 @@ impl AdvisoryStrategy for PgAdvisory {
                 .run(conn, settle, Fence::Attempt(settle.attempt))
                 .await
             {
-                Err(e) if e.is_transient() && tries < 3 => tries += 1,
+                Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
                 other => break other,
             }
         };

@@ -249,12 +249,7 @@ impl Backend for PgBackend {
     type Advisory = PgAdvisory;
 
     fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
-        use broker_core::driver::ErrorClass as Core;
-        match crate::sql::classify(error) {
-            crate::sql::ErrorClass::Transient => Core::Transient,
-            crate::sql::ErrorClass::Connection => Core::Connection,
-            crate::sql::ErrorClass::Permanent => Core::Permanent,
-        }
+        crate::sql::classify(error)
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -325,6 +320,13 @@ impl Backend for PgBackend {
                     });
                 }
                 Prepared::Advisory(s)
+            }
+            mode => {
+                return Err(SqlxBrokerError::mode_not_offered(
+                    table.name(),
+                    mode,
+                    "PostgreSQL",
+                ));
             }
         };
         Ok(prepared)

@@ -6,14 +6,15 @@
 
 use std::sync::Arc;
 
+use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, LEASE_MARGIN_MS, SettleStatements, Statements, ident, on_pool, query,
-    settle_retries, ts, with_retries,
+    Failed, Fence, SettleStatements, Statements, ident, on_pool, query, settle_retries, ts,
+    with_retries,
 };
 
 /// The lease strategy of one PostgreSQL table.

@@ -12,22 +12,17 @@
 //! speed. A crash rolls back everything, the count included, so it uses no attempt.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Transaction};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, SettleStatements, Statements, query};
+use crate::sql::{Failed, Fence, SettleStatements, Statements, query, with_retries};
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
 const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT sqlx_broker_writes";
-
-/// How often a claim that meets a transient error (a serialization failure at REPEATABLE READ or
-/// SERIALIZABLE, a deadlock) opens a new transaction and tries again.
-const CLAIM_TRIES: u32 = 3;
 
 /// The row lock strategy of one PostgreSQL table.
 #[derive(Debug)]
@@ -136,17 +131,10 @@ impl RowLockStrategy for PgRowLock {
     /// Not cancel safe: a dropped claim may leave its connection mid-statement (sqlx then tests
     /// the connection before reusing it, and the open transaction rolls back).
     async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>> {
-        let mut tries = 0;
-        loop {
-            match self.try_claim(now_ms).await {
-                // A failed claim's transaction rolls back as it drops, so trying again is safe.
-                Err(e) if e.is_transient() && tries < CLAIM_TRIES => {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
-                }
-                other => return other.map_err(|e| e.on(self.table.name())),
-            }
-        }
+        // A failed claim's transaction rolls back as it drops, so trying again is safe.
+        with_retries(|| self.try_claim(now_ms))
+            .await
+            .map_err(|e| e.on(self.table.name()))
     }
 
     /// Sets the savepoint the handler's writes roll back to on a retry or dead letter.

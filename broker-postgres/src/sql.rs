@@ -9,7 +9,6 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use broker_core::driver::{Action, LeaseToken, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
@@ -34,20 +33,8 @@ pub(crate) fn ms(expr: &str) -> String {
     format!("(EXTRACT(EPOCH FROM {expr}) * 1000)::int8")
 }
 
-/// How the broker treats a driver error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ErrorClass {
-    /// Serialization failure (`40001`), deadlock (`40P01`) or lock not available (`55P03`):
-    /// the statement changed nothing and can run again.
-    Transient,
-    /// The connection failed or the server went away (I/O errors, class `08`, `57P01`-`57P03`
-    /// shutdowns, a pool that cannot connect): the statement may or may not have landed, and a
-    /// fresh connection may succeed. Fenced settlements run again on one while their claim holds.
-    Connection,
-    /// Anything else.
-    Permanent,
-}
+/// How the broker treats a driver error: the core's classes, which its retry policy reads.
+pub use broker_core::driver::ErrorClass;
 
 /// Classifies a driver error. The one place this crate maps PostgreSQL error codes: claims and
 /// single-statement settlements run again (a few times, with a short pause) on a transient
@@ -68,9 +55,6 @@ pub fn classify(err: &sqlx::Error) -> ErrorClass {
         _ => ErrorClass::Permanent,
     }
 }
-
-/// How often a transient error is retried before it surfaces.
-const TRANSIENT_RETRIES: u32 = 3;
 
 /// A statement that failed, by name, before the table is known to the error.
 #[derive(Debug)]
@@ -93,61 +77,28 @@ impl Failed {
     }
 }
 
-/// Runs a fenced settlement (or renewal) `f` again on a fresh connection after a connection
-/// error, with a backoff from 50 ms doubling to 1 s, while the host's clock is before
-/// `deadline_ms` (the lease's expiry less a margin: past it another claim may hold the row and
-/// the fence would refuse anyway); transient errors run again as in [`with_retries`]. A try
-/// whose connection failed may have landed: the fence makes the next try change nothing then,
-/// and report the claim lost. So a server restart or a terminated session costs a settlement
-/// some waiting, not a second run of its handler.
-pub(crate) async fn settle_retries<T, F, Fut>(deadline_ms: i64, mut f: F) -> Result<T, Failed>
+/// Runs a fenced settlement (or renewal) `f` under the core's policy for fenced statements
+/// ([`retry::fenced`](broker_core::driver::retry::fenced)): again on a fresh connection after a
+/// connection error while the host's clock is before `deadline_ms` (the lease's expiry less a
+/// margin: past it another claim may hold the row). A try whose connection failed may have
+/// landed: the fence makes the next try change nothing then, and report the claim lost.
+pub(crate) async fn settle_retries<T, F, Fut>(deadline_ms: i64, f: F) -> Result<T, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Failed>>,
 {
-    let mut transient = 0;
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        match f().await {
-            Err(e) if e.is_transient() && transient < TRANSIENT_RETRIES => {
-                transient += 1;
-                tokio::time::sleep(Duration::from_millis(10 * u64::from(transient))).await;
-            }
-            Err(e)
-                if classify(&e.source) == ErrorClass::Connection
-                    && broker_core::driver::clock::after_ms(backoff) < deadline_ms =>
-            {
-                tracing::debug!(statement = e.name, error = %e.source, ?backoff, "connection failed; running the fenced statement again on a fresh connection");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
-            other => return other,
-        }
-    }
+    broker_core::driver::retry::fenced(|e: &Failed| classify(&e.source), deadline_ms, f).await
 }
 
-/// How long before a lease's expiry a settlement stops trying again after connection errors.
-pub(crate) const LEASE_MARGIN_MS: i64 = 1_000;
-
-/// Runs `f` again on a transient error, up to [`TRANSIENT_RETRIES`] times, with a short pause
-/// that grows with each try. Only for work that a failed try leaves unchanged (one statement in
-/// autocommit, or a transaction that rolled back).
-pub(crate) async fn with_retries<T, F, Fut>(mut f: F) -> Result<T, Failed>
+/// Runs `f` under the core's policy for errors the server undid
+/// ([`retry::transient`](broker_core::driver::retry::transient)). Only for work that a failed
+/// try leaves unchanged (one statement in autocommit, or a transaction that rolled back).
+pub(crate) async fn with_retries<T, F, Fut>(f: F) -> Result<T, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Failed>>,
 {
-    let mut tries = 0;
-    loop {
-        match f().await {
-            Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => {
-                tries += 1;
-                tracing::debug!(statement = e.name, error = %e.source, tries, "transient error; running again");
-                tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
-            }
-            other => return other,
-        }
-    }
+    broker_core::driver::retry::transient(|e: &Failed| classify(&e.source), f).await
 }
 
 /// Runs a statement text (a broker-built statement, never user input) as a query: prepared under

@@ -153,6 +153,13 @@ impl Backend for SqliteBackend {
                     hint: "SQLite has no row locks; add a locked_until column (lease mode) or an advisory_lock template",
                 });
             }
+            mode => {
+                return Err(SqlxBrokerError::mode_not_offered(
+                    table.name(),
+                    mode,
+                    "SQLite",
+                ));
+            }
         };
         Ok(prepared)
     }

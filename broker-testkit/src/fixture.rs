@@ -164,6 +164,7 @@ pub fn describe(name: &str, mode: ClaimMode) -> TableBuilder {
         ClaimMode::RowLock => b,
         ClaimMode::Lease => b.locked_until("locked_until"),
         ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("key-{k}"),
+        other => panic!("the suite has no case for claim mode {other:?}"),
     }
 }
 
@@ -282,6 +283,7 @@ impl<D: TestDb> Fixture<D> {
             ClaimMode::RowLock => "rl",
             ClaimMode::Lease => "ls",
             ClaimMode::Advisory => "ad",
+            other => panic!("the suite has no case for claim mode {other:?}"),
         });
         let table = describe(&name)
             .build()

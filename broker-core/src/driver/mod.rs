@@ -8,6 +8,7 @@
 //! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
 
 pub mod clock;
+pub mod retry;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -346,6 +347,7 @@ impl RowState {
 /// settlement that failed `Permanent`ly counts against its row; see
 /// [`SETTLE_FAILURE_LIMIT`](crate::SETTLE_FAILURE_LIMIT)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorClass {
     /// The server undid the statement (deadlock, serialization failure, lock not available,
     /// SQLite busy or locked): it can run again and will likely work.

@@ -32,6 +32,7 @@ pub async fn identifiers_and_values_that_look_like_sql_round_trip<D: TestDb>(mod
         ClaimMode::Advisory => b
             .column("where", ColumnType::Text)
             .advisory_lock("k-{where}"),
+        other => panic!("the suite has no case for claim mode {other:?}"),
     }
     .build()
     .unwrap();
@@ -144,6 +145,7 @@ pub async fn a_table_with_only_the_required_columns_works<D: TestDb>(mode: Claim
         ClaimMode::RowLock => b,
         ClaimMode::Lease => b.locked_until("locked_until"),
         ClaimMode::Advisory => b.column("k", ColumnType::Text).advisory_lock("key-{k}"),
+        other => panic!("the suite has no case for claim mode {other:?}"),
     }
     .build()
     .unwrap();

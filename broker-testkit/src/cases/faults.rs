@@ -102,6 +102,7 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
         ClaimMode::RowLock => "row_lock",
         ClaimMode::Lease => "lease",
         ClaimMode::Advisory => "advisory",
+        other => panic!("the suite has no case for claim mode {other:?}"),
     };
     let mut child = spawn_child(
         test_path,

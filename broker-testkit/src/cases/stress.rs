@@ -64,6 +64,7 @@ fn stress_table(name: &str, mode: ClaimMode, dead: &str) -> TableDescription {
         ClaimMode::Advisory => b
             .column("k", broker_core::ColumnType::Text)
             .advisory_lock("key-{k}"),
+        other => panic!("the suite has no case for claim mode {other:?}"),
     }
     .build()
     .expect("the stress table's description is valid")
@@ -354,6 +355,7 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
         ClaimMode::RowLock => "row_lock",
         ClaimMode::Lease => "lease",
         ClaimMode::Advisory => "advisory",
+        other => panic!("the suite has no case for claim mode {other:?}"),
     };
     let spec = format!("{mode_name}|{name}|{dead}|{url}");
     let limit = Duration::from_secs(120);
