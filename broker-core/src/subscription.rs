@@ -516,6 +516,10 @@ enum Next {
     More,
     /// The claim came back short (or failed): wait for a wake-up or the poll.
     Drained,
+    /// A wake-up or the poll ended a wait: one claim looks whether rows are there, and only a
+    /// full one fans out to every claim slot. An idle subscription so runs one empty claim per
+    /// poll instead of one per claim slot.
+    Probe,
 }
 
 /// What every delivery task of a subscription shares.
@@ -670,7 +674,7 @@ where
         reports,
         claims: 0,
         tasks: JoinSet::new(),
-        state: Next::More,
+        state: Next::Probe,
         broker_stop: shared.broker.shutdown.subscribe(),
         stop,
     };
@@ -699,7 +703,7 @@ where
         while !self.stopped() {
             match self.next_event().await {
                 Event::Stop | Event::TaskDone => {}
-                Event::Look => self.state = Next::More,
+                Event::Look => self.state = Next::Probe,
                 Event::Report(report) => self.on_report(report),
                 Event::Permits(permits) => self.start_claim(permits),
             }
@@ -711,7 +715,12 @@ where
     /// and in every state a stop, a returning claim or an ending task.
     async fn next_event(&mut self) -> Event<B, T> {
         let drained = self.state == Next::Drained;
-        let full = !drained && self.claims >= self.plan.max_claims;
+        let max_claims = if self.state == Next::Probe {
+            1
+        } else {
+            self.plan.max_claims
+        };
+        let full = !drained && self.claims >= max_claims;
         let wants_permits = !drained && !full;
         let options = &self.engine.options;
         let wait = match self.engine.claim_errors_in_a_row() {
