@@ -1,0 +1,145 @@
+//! A real PostgreSQL server restart (`pg_ctlcluster .. restart -m fast`) in the middle of a
+//! drain: the subscription recovers by itself, nothing is lost, and in lease mode no handler
+//! runs twice, because the acks the restart cut run again on fresh connections while their
+//! leases hold. Row lock's transactions die with the server, so its rows come back at once and
+//! the handlers the restart cut run again; nothing is lost there either.
+//!
+//! This binary restarts the server every other test uses, so it holds one test per mode, run
+//! one after the other, and cargo runs test binaries one at a time.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use broker_core::{ClaimMode, Outcome, SubscribeOptions};
+use broker_testkit::{Fixture, TestDb, wait_until};
+use common::Pg;
+
+const ROWS: usize = 300;
+
+/// Restarts the local PostgreSQL cluster the tests use, fast (active sessions are terminated),
+/// and returns once it accepts connections again.
+fn restart_server() -> Duration {
+    let version = std::fs::read_dir("/etc/postgresql")
+        .expect("a Debian-style PostgreSQL cluster under /etc/postgresql")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .max()
+        .expect("a cluster version");
+    let started = Instant::now();
+    let status = Command::new("pg_ctlcluster")
+        .args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            "restart",
+            "-m",
+            "fast",
+        ])
+        .status()
+        .expect("run pg_ctlcluster");
+    assert!(status.success(), "pg_ctlcluster restart failed: {status}");
+    for _ in 0..300 {
+        let ready = Command::new("pg_isready")
+            .args(["-q", "-h", "127.0.0.1", "-p", "5432"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if ready {
+            return started.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("PostgreSQL did not come back within 30 s of the restart");
+}
+
+async fn drain_across_a_restart(mode: ClaimMode) {
+    let fx = Fixture::<Pg>::new(mode, |b| {
+        if mode == ClaimMode::Lease {
+            // Long enough to outlast the restart, so every cut ack can still land in time.
+            b.lease_seconds(15)
+        } else {
+            b
+        }
+    })
+    .await;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, ROWS).await;
+    // Slow deletes (a trigger): most acks are on the wire when the server stops, so the restart
+    // cuts statements mid-flight, not only idle connections (a pool acquire waits out a down
+    // server by itself).
+    assert!(Pg::slow_down_deletes(&fx.broker, fx.table.name()).await);
+    let runs: Arc<Mutex<HashMap<i64, usize>>> = Arc::default();
+    let seen = runs.clone();
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(8)
+                .poll_interval(Duration::from_millis(100)),
+            move |job| {
+                *seen.lock().unwrap().entry(job.id()).or_default() += 1;
+                async move {
+                    // Long enough that the restart finds handlers in work, whose acks then meet
+                    // the restart.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Outcome::Ack
+                }
+            },
+        )
+        .expect("subscribe");
+    let ran = |runs: &Arc<Mutex<HashMap<i64, usize>>>| runs.lock().unwrap().len();
+    wait_until("a third of the drain", Duration::from_secs(60), || {
+        let runs = runs.clone();
+        async move { ran(&runs) >= ROWS / 3 }
+    })
+    .await;
+    let in_work = q.metrics().in_work;
+    assert!(in_work > 0, "the restart must find handlers in work");
+    let down_for = tokio::task::spawn_blocking(restart_server).await.unwrap();
+    // Rows whose claim died with the server come back when their lease runs out (lease) or at
+    // once (row lock); the table says when every row is done.
+    wait_until(
+        "every row gone from the table after the restart",
+        Duration::from_secs(90),
+        || {
+            let (q, ids) = (q.clone(), ids.clone());
+            async move {
+                for id in ids {
+                    if q.row_state(id).await.ok().flatten().is_some() {
+                        return false;
+                    }
+                }
+                true
+            }
+        },
+    )
+    .await;
+    let report = sub.shutdown().await;
+    assert_eq!(report.dropped, 0);
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), ROWS, "every row ran");
+    let reruns: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+    let m = q.metrics();
+    if mode == ClaimMode::Lease {
+        assert!(
+            reruns.is_empty(),
+            "lease handlers ran again after the restart although their acks could run again in time: {reruns:?} ({m:?})"
+        );
+    }
+    broker_testkit::report(&format!(
+        "PostgreSQL server restart under a {mode} drain: {ROWS} rows, {in_work} in work at the restart, server back after {:.1} s, {} handlers ran twice, {} claim errors, {} settlements failed, nothing lost",
+        down_for.as_secs_f64(),
+        reruns.len(),
+        m.claim_errors,
+        m.settle_failed,
+    ));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler() {
+    drain_across_a_restart(ClaimMode::Lease).await;
+    drain_across_a_restart(ClaimMode::RowLock).await;
+}
