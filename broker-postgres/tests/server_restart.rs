@@ -20,28 +20,29 @@ use common::Pg;
 
 const ROWS: usize = 300;
 
-/// Restarts the local PostgreSQL cluster the tests use, fast (active sessions are terminated),
-/// and returns once it accepts connections again.
+/// Restarts the PostgreSQL server the tests use, fast (active sessions are terminated), with
+/// the shell command in `SQLX_BROKER_PG_RESTART` (default: `pg_ctlcluster` on the newest
+/// Debian-style cluster under /etc/postgresql), and returns once it accepts connections again.
 fn restart_server() -> Duration {
-    let version = std::fs::read_dir("/etc/postgresql")
-        .expect("a Debian-style PostgreSQL cluster under /etc/postgresql")
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .max()
-        .expect("a cluster version");
+    let command = std::env::var("SQLX_BROKER_PG_RESTART").unwrap_or_else(|_| {
+        let version = std::fs::read_dir("/etc/postgresql")
+            .ok()
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .max()
+            .expect(
+                "no cluster under /etc/postgresql: set SQLX_BROKER_PG_RESTART to a shell command that restarts the test server (e.g. `pg_ctl -D <data dir> restart -m fast`)",
+            );
+        format!("pg_ctlcluster --skip-systemctl-redirect {version} main restart -m fast")
+    });
     let started = Instant::now();
-    let status = Command::new("pg_ctlcluster")
-        .args([
-            "--skip-systemctl-redirect",
-            &version,
-            "main",
-            "restart",
-            "-m",
-            "fast",
-        ])
+    let status = Command::new("sh")
+        .args(["-c", &command])
         .status()
-        .expect("run pg_ctlcluster");
-    assert!(status.success(), "pg_ctlcluster restart failed: {status}");
+        .expect("run the restart command");
+    assert!(status.success(), "`{command}` failed: {status}");
     for _ in 0..300 {
         let ready = Command::new("pg_isready")
             .args(["-q", "-h", "127.0.0.1", "-p", "5432"])
@@ -52,7 +53,7 @@ fn restart_server() -> Duration {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    panic!("PostgreSQL did not come back within 30 s of the restart");
+    panic!("PostgreSQL did not come back within 30 s of `{command}`");
 }
 
 async fn drain_across_a_restart(mode: ClaimMode) {
