@@ -9,13 +9,11 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use broker_core::{ClaimMode, Outcome, SubscribeOptions};
-use broker_testkit::{Fixture, TestDb, wait_until};
+use broker_core::ClaimMode;
+use broker_testkit::{Fixture, Runs, TestDb, subscribe_counting, wait_until, wait_until_rows_gone};
 use common::Pg;
 
 const ROWS: usize = 300;
@@ -72,25 +70,9 @@ async fn drain_across_a_restart(mode: ClaimMode) {
     // cuts statements mid-flight, not only idle connections (a pool acquire waits out a down
     // server by itself).
     assert!(Pg::slow_down_deletes(&fx.broker, fx.table.name()).await);
-    let runs: Arc<Mutex<HashMap<i64, usize>>> = Arc::default();
-    let seen = runs.clone();
-    let sub = q
-        .subscribe(
-            SubscribeOptions::new()
-                .concurrency(8)
-                .poll_interval(Duration::from_millis(100)),
-            move |job| {
-                *seen.lock().unwrap().entry(job.id()).or_default() += 1;
-                async move {
-                    // Long enough that the restart finds handlers in work, whose acks then meet
-                    // the restart.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    Outcome::Ack
-                }
-            },
-        )
-        .expect("subscribe");
-    let ran = |runs: &Arc<Mutex<HashMap<i64, usize>>>| runs.lock().unwrap().len();
+    // Long enough that the restart finds handlers in work, whose acks then meet the restart.
+    let (sub, runs) = subscribe_counting::<Pg>(&q, Duration::from_millis(100));
+    let ran = |runs: &Runs| runs.lock().unwrap().len();
     wait_until("a third of the drain", Duration::from_secs(60), || {
         let runs = runs.clone();
         async move { ran(&runs) >= ROWS / 3 }
@@ -101,22 +83,7 @@ async fn drain_across_a_restart(mode: ClaimMode) {
     let down_for = tokio::task::spawn_blocking(restart_server).await.unwrap();
     // Rows whose claim died with the server come back when their lease runs out (lease) or at
     // once (row lock); the table says when every row is done.
-    wait_until(
-        "every row gone from the table after the restart",
-        Duration::from_secs(90),
-        || {
-            let (q, ids) = (q.clone(), ids.clone());
-            async move {
-                for id in ids {
-                    if q.row_state(id).await.ok().flatten().is_some() {
-                        return false;
-                    }
-                }
-                true
-            }
-        },
-    )
-    .await;
+    wait_until_rows_gone::<Pg>(&q, &ids, Duration::from_secs(90)).await;
     let report = sub.shutdown().await;
     assert_eq!(report.dropped, 0);
     let runs = runs.lock().unwrap().clone();

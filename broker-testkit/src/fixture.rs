@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use broker_core::driver::alias;
 use broker_core::{
-    Backend, Broker, ClaimMode, ColumnType, Delivery, NewJob, Queue, SqlxBrokerError, TableBuilder,
-    TableDescription,
+    Backend, Broker, ClaimMode, ColumnType, Delivery, NewJob, Outcome, Queue, SqlxBrokerError,
+    SubscribeOptions, TableBuilder, TableDescription,
 };
 use sqlx::{ColumnIndex, Database, Decode, Encode, FromRow, Row, Type};
 
@@ -346,4 +346,53 @@ impl<D: TestDb> Fixture<D> {
         self.broker.close().await;
         D::drop_database(&self.url).await;
     }
+}
+
+/// How many times each row's handler ran, as [`subscribe_counting`] records it.
+pub type Runs = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i64, usize>>>;
+
+/// Subscribes eight workers (poll 100 ms) whose handler counts its row's run, works for
+/// `work`, and acks. For fault cases that check no handler ran twice.
+pub fn subscribe_counting<D: TestDb>(
+    q: &Queue<D::B, D::Job>,
+    work: Duration,
+) -> (broker_core::Subscription, Runs) {
+    let runs = Runs::default();
+    let seen = runs.clone();
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(8)
+                .poll_interval(Duration::from_millis(100)),
+            move |job| {
+                *seen.lock().unwrap().entry(job.id()).or_default() += 1;
+                async move {
+                    tokio::time::sleep(work).await;
+                    Outcome::Ack
+                }
+            },
+        )
+        .expect("subscribe");
+    (sub, runs)
+}
+
+/// Waits (bounded by `limit`) until none of `ids` is in the queue's table. A failed read counts
+/// as still there, so the wait rides out a database that is coming back.
+pub async fn wait_until_rows_gone<D: TestDb>(
+    q: &Queue<D::B, D::Job>,
+    ids: &[i64],
+    limit: Duration,
+) {
+    wait_until("every row gone from the table", limit, || {
+        let (q, ids) = (q.clone(), ids.to_vec());
+        async move {
+            for id in ids {
+                if q.row_state(id).await.ok().flatten().is_some() {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
 }

@@ -3,13 +3,11 @@
 //! because a lease settlement that fails with a connection error runs again on a fresh
 //! connection while its lease holds.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use broker_core::{Backend, ClaimMode, Outcome, SubscribeOptions};
+use broker_core::{Backend, ClaimMode};
 
-use crate::{Fixture, TestDb, report, wait_until};
+use crate::{Fixture, Runs, TestDb, report, subscribe_counting, wait_until, wait_until_rows_gone};
 
 /// Rows of the drain.
 const ROWS: usize = 200;
@@ -27,25 +25,10 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
     let ids = fx.publish(&q, ROWS).await;
     // With slow deletes most workers are mid-ack at any moment, so the kills cut acks.
     let slowed = D::slow_down_deletes(&fx.broker, fx.table.name()).await;
-    let runs: Arc<Mutex<HashMap<i64, usize>>> = Arc::default();
-    let seen = runs.clone();
     let started = Instant::now();
-    let sub = q
-        .subscribe(
-            SubscribeOptions::new()
-                .concurrency(8)
-                .poll_interval(Duration::from_millis(100)),
-            move |job| {
-                *seen.lock().unwrap().entry(job.id()).or_default() += 1;
-                async move {
-                    // Long enough that kills find deliveries in work and settling.
-                    tokio::time::sleep(Duration::from_millis(3)).await;
-                    Outcome::Ack
-                }
-            },
-        )
-        .expect("subscribe");
-    let ran = |runs: &Arc<Mutex<HashMap<i64, usize>>>| runs.lock().unwrap().len();
+    // Long enough that kills find deliveries in work and settling.
+    let (sub, runs) = subscribe_counting::<D>(&q, Duration::from_millis(3));
+    let ran = |runs: &Runs| runs.lock().unwrap().len();
     let mut killed = 0;
     for k in 1..=KILLS {
         let target = ROWS * k / (KILLS + 1);
@@ -66,22 +49,7 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
         async move { ran(&runs) == ROWS && q.metrics().in_work == 0 }
     })
     .await;
-    wait_until(
-        "every row gone from the table",
-        Duration::from_secs(60),
-        || {
-            let (q, ids) = (q.clone(), ids.clone());
-            async move {
-                for id in ids {
-                    if q.row_state(id).await.ok().flatten().is_some() {
-                        return false;
-                    }
-                }
-                true
-            }
-        },
-    )
-    .await;
+    wait_until_rows_gone::<D>(&q, &ids, Duration::from_secs(60)).await;
     let elapsed = started.elapsed();
     sub.shutdown().await;
     for id in &ids {

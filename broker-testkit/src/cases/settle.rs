@@ -267,17 +267,25 @@ pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
     fx.cleanup().await;
 }
 
-/// In row lock mode the handler writes through the delivery's transaction: the writes commit
-/// with the ack and roll back with a retry.
-pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
-    let q = fx.queue().await;
+/// A plain table beside the case's, for the handler's own writes.
+async fn side_table<D: TestDb>(
+    fx: &Fixture<D>,
+) -> (broker_core::TableDescription, Queue<D::B, D::Job>) {
     let side = broker_core::TableDescription::builder(unique_name("side"))
         .payload("payload", ColumnType::Text)
         .build()
         .unwrap();
     fx.broker.create_tables(&side).await.unwrap();
     let side_q = fx.broker.queue::<D::Job>(side.clone()).await.unwrap();
+    (side, side_q)
+}
+
+/// In row lock mode the handler writes through the delivery's transaction: the writes commit
+/// with the ack and roll back with a retry.
+pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
+    let q = fx.queue().await;
+    let (side, side_q) = side_table(&fx).await;
     fx.publish(&q, 1).await;
 
     let mut d = claim_one::<D>(&q).await;
@@ -320,12 +328,7 @@ pub async fn row_lock_handler_writes_commit_with_the_ack_only<D: TestDb>() {
 pub async fn a_subscribed_handler_writes_through_its_transaction<D: TestDb>() {
     let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
     let q = fx.queue().await;
-    let side = broker_core::TableDescription::builder(unique_name("side"))
-        .payload("payload", ColumnType::Text)
-        .build()
-        .unwrap();
-    fx.broker.create_tables(&side).await.unwrap();
-    let side_q = fx.broker.queue::<D::Job>(side.clone()).await.unwrap();
+    let (side, side_q) = side_table(&fx).await;
     let ids = fx.publish(&q, 2).await;
     // (attempt, side row written in it)
     let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(i64, i64)>::new()));
