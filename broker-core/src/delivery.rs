@@ -199,6 +199,19 @@ pub struct Delivery<B: Backend, T> {
     hold: Option<Hold<B>>,
     /// Settlements of this row that failed in a row before this delivery.
     settle_failures: u32,
+    /// The hold is lent to the handler as its transaction and not taken back yet: the row is
+    /// still this delivery's to account for.
+    lent: bool,
+}
+
+/// A delivery dropped while it still holds its row gives the row back (each mode's hold
+/// releases it as it drops) and counts it in `released`.
+impl<B: Backend, T> Drop for Delivery<B, T> {
+    fn drop(&mut self) {
+        if self.hold.is_some() || self.lent {
+            Metrics::add(&self.queue.metrics.released, 1);
+        }
+    }
 }
 
 impl<B: Backend, T> std::fmt::Debug for Delivery<B, T> {
@@ -271,6 +284,7 @@ where
                 row: Some(row),
                 hold: Some(hold),
                 settle_failures: failures,
+                lent: false,
             }),
             None => {
                 if let Some((n, last)) = failed.filter(|_| settle_keeps_failing) {
@@ -329,6 +343,7 @@ where
                     }
                     Ok(()) => Metrics::add(&queue.metrics.retried, 1),
                     Err(e) => {
+                        queue.settle_failed(id, &e);
                         tracing::warn!(table = queue.name(), id, error = %e, "putting back a row that does not decode failed")
                     }
                 }
@@ -447,10 +462,13 @@ impl<B: Backend, T> Delivery<B, T> {
     /// Lends the row lock transaction to the handler; `None` in the other modes.
     pub(crate) fn lend_transaction(&mut self) -> Option<JobTransaction<B>> {
         match self.hold.take() {
-            Some(Hold::RowLock(h)) => Some(JobTransaction {
-                slot: Arc::new(tokio::sync::Mutex::new(Some(h))),
-                table: self.queue.table.clone(),
-            }),
+            Some(Hold::RowLock(h)) => {
+                self.lent = true;
+                Some(JobTransaction {
+                    slot: Arc::new(tokio::sync::Mutex::new(Some(h))),
+                    table: self.queue.table.clone(),
+                })
+            }
             other => {
                 self.hold = other;
                 None
@@ -468,6 +486,7 @@ impl<B: Backend, T> Delivery<B, T> {
         };
         if let Some(h) = taken {
             self.hold = Some(Hold::RowLock(h));
+            self.lent = false;
         }
     }
 
@@ -503,7 +522,10 @@ impl<B: Backend, T> Delivery<B, T> {
     pub async fn settle(mut self, outcome: Outcome) -> Result<()> {
         let queue = self.queue.clone();
         let table = &queue.table;
+        let released = || Metrics::add(&queue.metrics.released, 1);
         let Some(hold) = self.hold.take() else {
+            released();
+            self.lent = false;
             return Err(SqlxBrokerError::Unsupported {
                 table: table.name().to_owned(),
                 message: format!(
@@ -514,6 +536,7 @@ impl<B: Backend, T> Delivery<B, T> {
         };
         if queue.broker.closed.load(Ordering::SeqCst) {
             drop(hold);
+            released();
             return Err(SqlxBrokerError::Closed {
                 table: table.name().to_owned(),
                 what: format!("the settlement of row {}", self.id),
@@ -530,6 +553,7 @@ impl<B: Backend, T> Delivery<B, T> {
             Outcome::RetryAfter(delay) => {
                 if table.due_at().is_none() {
                     drop(hold);
+                    released();
                     return Err(SqlxBrokerError::Unsupported {
                         table: table.name().to_owned(),
                         message: format!(
@@ -543,6 +567,7 @@ impl<B: Backend, T> Delivery<B, T> {
         };
         if action == Action::DeadLetter && table.dead_letter().is_none() {
             drop(hold);
+            released();
             return Err(SqlxBrokerError::Unsupported {
                 table: table.name().to_owned(),
                 message: format!(

@@ -127,13 +127,21 @@ impl<B: Backend> Shared<B> {
         self.table.name()
     }
 
-    /// Counts a failed settlement of row `id`: every statement failure in `settle_failed`, and
-    /// those that will fail again (see [`fails_again`]) against the row.
+    /// Counts a failed settlement of row `id` in exactly one counter: a lost hold in
+    /// `lease_lost`, a deleted row in `gone`, anything else in `settle_failed`; statement
+    /// failures that will fail again (see [`fails_again`]) also count against the row.
     pub(crate) fn settle_failed(&self, id: i64, error: &SqlxBrokerError) {
+        let m = &self.metrics;
+        match error {
+            SqlxBrokerError::LeaseLost { .. } | SqlxBrokerError::ClaimLost { .. } => {
+                return Metrics::add(&m.lease_lost, 1);
+            }
+            SqlxBrokerError::RowGone { .. } => return Metrics::add(&m.gone, 1),
+            _ => Metrics::add(&m.settle_failed, 1),
+        }
         if !matches!(error, SqlxBrokerError::Statement { .. }) {
             return;
         }
-        Metrics::add(&self.metrics.settle_failed, 1);
         if fails_again(&self.broker.backend, error) {
             let n = self.settle_failures.record(id, error);
             tracing::warn!(table = self.name(), id, failures = n, error = %error, "settlement failed; the row was released and its next delivery backs off");
@@ -163,7 +171,6 @@ impl<B: Backend> Shared<B> {
         if self.is_gone(id).await {
             return self.gone(id);
         }
-        Metrics::add(&self.metrics.lease_lost, 1);
         SqlxBrokerError::LeaseLost {
             table: self.name().to_owned(),
             id,

@@ -16,6 +16,8 @@ pub(crate) struct Metrics {
     pub(crate) claim_errors: AtomicU64,
     pub(crate) decode_errors: AtomicU64,
     pub(crate) settle_failed: AtomicU64,
+    pub(crate) gone: AtomicU64,
+    pub(crate) released: AtomicU64,
 }
 
 impl Metrics {
@@ -37,11 +39,21 @@ impl Metrics {
             claim_errors: get(&self.claim_errors),
             decode_errors: get(&self.decode_errors),
             settle_failed: get(&self.settle_failed),
+            gone: get(&self.gone),
+            released: get(&self.released),
         }
     }
 }
 
 /// A reading of a queue's counters.
+///
+/// Every claimed row leaves work exactly once, through one of seven counters, so at rest (no
+/// subscription running, no manual delivery held):
+///
+/// `claimed = acked + retried + dead_lettered + lease_lost + gone + settle_failed + released`
+///
+/// While subscriptions run, the difference is the rows in work ([`in_work`](Self::in_work))
+/// and the rows a claim fetched ahead that wait for a free worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MetricsSnapshot {
@@ -53,7 +65,8 @@ pub struct MetricsSnapshot {
     pub retried: u64,
     /// Rows dead-lettered.
     pub dead_lettered: u64,
-    /// Settlements refused because the lease ran out.
+    /// Settlements refused because the delivery's hold was lost: its lease ran out (lease
+    /// mode), or its key's session died and the row was claimed again (advisory mode).
     pub lease_lost: u64,
     /// Deliveries whose handler is running now.
     pub in_work: u64,
@@ -65,10 +78,19 @@ pub struct MetricsSnapshot {
     pub claim_errors: u64,
     /// Rows whose columns did not decode into the handler's type.
     pub decode_errors: u64,
-    /// Settlements whose statement failed (the row was released). A row whose settlement keeps
+    /// Settlements that failed for any other reason, e.g. their statement failed (the row was
+    /// released). A row whose settlement keeps
     /// failing is backed off and, after three failures in a row, dead-lettered without running
     /// its handler again (see the crate docs, "Settlements that fail").
     pub settle_failed: u64,
+    /// Settlements that found their row deleted by something other than the broker while the
+    /// delivery held it.
+    pub gone: u64,
+    /// Rows given back without a settlement: a delivery dropped unsettled (a handler cut by
+    /// the shutdown deadline, rows fetched ahead and never run, a manual delivery dropped), a
+    /// settlement refused before it ran (no dead-letter target, no due-time column, the broker
+    /// closed, the handler kept the transaction). The row is due again as its mode releases it.
+    pub released: u64,
 }
 
 /// Decrements `in_work` when a delivery leaves work, however it leaves.

@@ -86,6 +86,7 @@ async fn drain_across_a_restart(mode: ClaimMode) {
     wait_until_rows_gone::<Pg>(&q, &ids, Duration::from_secs(90)).await;
     let report = sub.shutdown().await;
     assert_eq!(report.dropped, 0);
+    broker_testkit::assert_counters_add_up(&q);
     let runs = runs.lock().unwrap().clone();
     assert_eq!(runs.len(), ROWS, "every row ran");
     let reruns: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();

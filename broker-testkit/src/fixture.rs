@@ -396,3 +396,22 @@ pub async fn wait_until_rows_gone<D: TestDb>(
     })
     .await;
 }
+
+/// Asserts that every row `q` claimed left work through exactly one counter (see
+/// [`MetricsSnapshot`](broker_core::MetricsSnapshot)). Only at rest: after every subscription
+/// on the queue has shut down and no manual delivery is held.
+pub fn assert_counters_add_up<B: Backend, T>(q: &Queue<B, T>) {
+    let m = q.metrics();
+    let out = m.acked
+        + m.retried
+        + m.dead_lettered
+        + m.lease_lost
+        + m.gone
+        + m.settle_failed
+        + m.released;
+    assert_eq!(
+        m.claimed, out,
+        "claimed must equal acked + retried + dead_lettered + lease_lost + gone + settle_failed + released at rest: {m:?}"
+    );
+    assert_eq!(m.in_work, 0, "nothing in work at rest: {m:?}");
+}

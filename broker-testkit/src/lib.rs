@@ -19,8 +19,9 @@ pub mod history;
 pub(crate) mod settlements;
 
 pub use fixture::{
-    DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, claim_one, claim_within, describe,
-    report, subscribe_counting, unique_name, wait_until, wait_until_rows_gone,
+    DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
+    claim_within, describe, report, subscribe_counting, unique_name, wait_until,
+    wait_until_rows_gone,
 };
 
 /// Stamps one `#[tokio::test]` per conformance case for the [`TestDb`] type `$db`.

@@ -293,6 +293,8 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
     .await;
     assert_eq!(s1.shutdown().await.dropped, 0);
     assert_eq!(s2.shutdown().await.dropped, 0);
+    crate::assert_counters_add_up(&q);
+    crate::assert_counters_add_up(&hq);
     let finals: BTreeMap<i64, Final> = ids.iter().map(|id| (*id, Final::Gone)).collect();
     let expect = Expect {
         mode,

@@ -206,6 +206,7 @@ where
     let m = q.metrics();
     assert_eq!(runs.load(Ordering::SeqCst), 3, "{m:?}");
     assert_eq!((m.settle_failed, m.dead_lettered), (3, 1), "{m:?}");
+    crate::assert_counters_add_up(&q);
     fx.cleanup().await;
 }
 
@@ -246,6 +247,7 @@ pub async fn a_settlement_that_always_fails_without_dead_letters_backs_off<D: Te
     assert!(n <= 8, "{n} runs: the row loops");
     let m = q.metrics();
     assert_eq!(m.settle_failed, n as u64, "{m:?}");
+    crate::assert_counters_add_up(&q);
     let state = q.row_state(id).await.unwrap().expect("the row stays");
     assert!(!state.dead, "{state:?}");
     fx.cleanup().await;

@@ -127,6 +127,9 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
         .await
         .expect("shutdown returns at its deadline, without waiting for the handlers");
     assert_eq!(report.dropped, 2, "{report:?}");
+    // The dropped handlers' rows count as released.
+    assert_eq!(q.metrics().released, 2, "{:?}", q.metrics());
+    crate::assert_counters_add_up(&q);
     for i in 0..2 {
         assert!(!D::key_is_held(&fx.broker, &format!("key-k{i}")).await);
     }
@@ -139,6 +142,7 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
         assert_eq!(d.attempt(), expected);
         d.ack().await.unwrap();
     }
+    crate::assert_counters_add_up(&other);
     fx.cleanup().await;
 }
 

@@ -52,6 +52,7 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
     wait_until_rows_gone::<D>(&q, &ids, Duration::from_secs(60)).await;
     let elapsed = started.elapsed();
     sub.shutdown().await;
+    crate::assert_counters_add_up(&q);
     for id in &ids {
         assert_eq!(
             q.row_state(*id).await.expect("read the row"),
