@@ -107,7 +107,8 @@ async fn a_timeout_that_cuts_row_lock_deliveries_is_named_with_its_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_missing_claim_index_is_named_with_the_statement_that_creates_it() {
-    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await;
+    // A priority table: a plain one claims through the primary key and gets no claim index.
+    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b.priority("priority")).await;
     let index = format!("{}_claim", fx.table.name());
     fx.broker
         .pool()

@@ -73,11 +73,15 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         claim_cols.push(format!("{} DESC", ident(p)));
     }
     claim_cols.push(ident(t.id()));
-    out.push(format!(
-        "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
-        ident(&format!("{}_claim", t.name())),
-        claim_cols.join(", ")
-    ));
+    // Without a priority or a finishing column the claim reads the primary key in id order; an
+    // index on (id) alone would duplicate it and cost every insert a second write.
+    if t.priority().is_some() || !partial.is_empty() {
+        out.push(format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
+            ident(&format!("{}_claim", t.name())),
+            claim_cols.join(", ")
+        ));
+    }
     if let Some(g) = t.group() {
         out.push(format!(
             "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){partial}",
@@ -189,4 +193,34 @@ pub(crate) async fn check(
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_claim_index_duplicates_the_primary_key() {
+        let plain = TableDescription::builder("jobs")
+            .locked_until("locked_until")
+            .build()
+            .unwrap();
+        assert!(
+            !ddl(&plain).iter().any(|s| s.contains("jobs_claim")),
+            "{:?}",
+            ddl(&plain)
+        );
+        let marked = TableDescription::builder("jobs")
+            .locked_until("locked_until")
+            .processed_at("processed_at")
+            .build()
+            .unwrap();
+        assert!(
+            ddl(&marked)
+                .iter()
+                .any(|s| s.contains("jobs_claim") && s.contains("WHERE")),
+            "{:?}",
+            ddl(&marked)
+        );
+    }
 }
