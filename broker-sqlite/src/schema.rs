@@ -194,33 +194,3 @@ pub(crate) async fn check(
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn no_claim_index_duplicates_the_primary_key() {
-        let plain = TableDescription::builder("jobs")
-            .locked_until("locked_until")
-            .build()
-            .unwrap();
-        assert!(
-            !ddl(&plain).iter().any(|s| s.contains("jobs_claim")),
-            "{:?}",
-            ddl(&plain)
-        );
-        let marked = TableDescription::builder("jobs")
-            .locked_until("locked_until")
-            .processed_at("processed_at")
-            .build()
-            .unwrap();
-        assert!(
-            ddl(&marked)
-                .iter()
-                .any(|s| s.contains("jobs_claim") && s.contains("WHERE")),
-            "{:?}",
-            ddl(&marked)
-        );
-    }
-}

@@ -50,6 +50,7 @@ macro_rules! conformance_suite {
             modes_follow_the_description,
             every_description_error_is_refused_with_a_clear_message,
             a_missing_table_is_a_schema_error_naming_it,
+            no_claim_index_copies_the_primary_key,
             a_missing_column_is_a_schema_error_naming_it,
             an_unoffered_mode_is_refused_with_what_to_add,
             renewal_keeps_a_handler_that_runs_three_leases,
