@@ -522,10 +522,9 @@ impl<B: Backend, T> Delivery<B, T> {
     pub async fn settle(mut self, outcome: Outcome) -> Result<()> {
         let queue = self.queue.clone();
         let table = &queue.table;
-        let released = || Metrics::add(&queue.metrics.released, 1);
-        let Some(hold) = self.hold.take() else {
-            released();
-            self.lent = false;
+        // Every refusal below returns with the hold still in `self` (or lent and kept by the
+        // handler): the delivery's drop releases the row and counts it in `released`.
+        if self.hold.is_none() {
             return Err(SqlxBrokerError::Unsupported {
                 table: table.name().to_owned(),
                 message: format!(
@@ -533,10 +532,8 @@ impl<B: Backend, T> Delivery<B, T> {
                     self.id
                 ),
             });
-        };
+        }
         if queue.broker.closed.load(Ordering::SeqCst) {
-            drop(hold);
-            released();
             return Err(SqlxBrokerError::Closed {
                 table: table.name().to_owned(),
                 what: format!("the settlement of row {}", self.id),
@@ -552,8 +549,6 @@ impl<B: Backend, T> Delivery<B, T> {
             }
             Outcome::RetryAfter(delay) => {
                 if table.due_at().is_none() {
-                    drop(hold);
-                    released();
                     return Err(SqlxBrokerError::Unsupported {
                         table: table.name().to_owned(),
                         message: format!(
@@ -566,8 +561,6 @@ impl<B: Backend, T> Delivery<B, T> {
             }
         };
         if action == Action::DeadLetter && table.dead_letter().is_none() {
-            drop(hold);
-            released();
             return Err(SqlxBrokerError::Unsupported {
                 table: table.name().to_owned(),
                 message: format!(
@@ -576,6 +569,7 @@ impl<B: Backend, T> Delivery<B, T> {
                 ),
             });
         }
+        let hold = self.hold.take().expect("checked at the top");
         let settle = Settle {
             id: self.id,
             action,

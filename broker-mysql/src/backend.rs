@@ -511,7 +511,7 @@ impl MySqlBackend {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
                     mode,
-                    "MySQL",
+                    self.capabilities().database,
                 ));
             }
         };

@@ -325,7 +325,7 @@ impl Backend for PgBackend {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
                     mode,
-                    "PostgreSQL",
+                    self.capabilities().database,
                 ));
             }
         };

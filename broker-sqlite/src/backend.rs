@@ -157,7 +157,7 @@ impl Backend for SqliteBackend {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
                     mode,
-                    "SQLite",
+                    self.capabilities().database,
                 ));
             }
         };

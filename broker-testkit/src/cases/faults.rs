@@ -18,7 +18,7 @@ pub const CHILD_ENV: &str = "SQLX_BROKER_CHILD_WORKER";
 /// Re-runs this test binary as a child process that runs only `test_path` (this test's name
 /// with its crate, e.g. `conformance::lease::a_killed_worker_gives_its_rows_back`), with
 /// [`CHILD_ENV`] set to `spec`, its stdout piped.
-pub(crate) fn spawn_child(test_path: &str, spec: &str) -> Child {
+pub(crate) fn spawn_child(test_path: &str, spec: &str, stderr: Stdio) -> Child {
     let test_name = test_path
         .split_once("::")
         .map_or(test_path, |(_, rest)| rest)
@@ -32,7 +32,7 @@ pub(crate) fn spawn_child(test_path: &str, spec: &str) -> Child {
         ])
         .env(CHILD_ENV, spec)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("spawn a child process")
 }
@@ -107,6 +107,7 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
     let mut child = spawn_child(
         test_path,
         &format!("{mode_name}|{}|{}", fx.table.name(), fx.url),
+        Stdio::null(),
     );
     let stdout = child.stdout.take().unwrap();
     let started = tokio::task::spawn_blocking(move || {

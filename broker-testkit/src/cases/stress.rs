@@ -3,11 +3,11 @@
 //! connections of the brokers in this process are terminated; the history checker then proves
 //! SPEC section 10 on the run, knowing exactly which deliveries each fault reached.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
-use std::process::Child;
-use std::sync::Arc;
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use broker_core::{
@@ -198,12 +198,27 @@ struct ChildBroker {
     index: usize,
     child: Child,
     reader: std::thread::JoinHandle<()>,
+    /// The last lines the child wrote to stderr, to say why it stopped if it stops on its own.
+    stderr: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl ChildBroker {
     fn spawn(test_path: &str, spec: &str, index: usize, history: &Arc<History>) -> Self {
-        let mut child = spawn_child(test_path, &format!("stress|{index}|{spec}"));
+        let mut child = spawn_child(test_path, &format!("stress|{index}|{spec}"), Stdio::piped());
         let stdout = child.stdout.take().expect("the child's stdout is piped");
+        let stderr = Arc::new(Mutex::new(VecDeque::new()));
+        let pipe = child.stderr.take().expect("the child's stderr is piped");
+        let tail = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                let mut tail = tail.lock().unwrap();
+                if tail.len() == 40 {
+                    tail.pop_front();
+                }
+                tail.push_back(line);
+            }
+        });
         let history = history.clone();
         let reader = std::thread::spawn(move || {
             let mut local: HashMap<usize, usize> = HashMap::new();
@@ -248,6 +263,21 @@ impl ChildBroker {
             index,
             child,
             reader,
+            stderr,
+        }
+    }
+
+    /// Panics with the child's exit status and the end of its stderr if it has stopped on its
+    /// own: a child that failed to start would otherwise only show as a wait that gives up.
+    fn assert_running(&mut self) {
+        if let Some(status) = self.child.try_wait().expect("the child's status") {
+            std::thread::sleep(Duration::from_millis(100));
+            let tail: Vec<String> = self.stderr.lock().unwrap().iter().cloned().collect();
+            panic!(
+                "stress child {} stopped by itself ({status}); its stderr ends with:\n{}",
+                self.index,
+                tail.join("\n")
+            );
         }
     }
 
@@ -366,21 +396,26 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
     let has_connections = D::kill_connections(&first).await.is_some();
     for round in 0..CRASHES {
         // Wait until the child has handlers in work, then kill it.
-        let running = child.take().expect("a child runs between crashes");
+        let mut running = child.take().expect("a child runs between crashes");
         let index = running.index;
-        wait_until(
-            &format!("stress child {index} to have deliveries in work"),
-            limit,
-            || {
-                let h = history.clone();
-                async move {
-                    h.records()
-                        .iter()
-                        .any(|r| r.broker == index && r.end.is_none())
-                }
-            },
-        )
-        .await;
+        let since = Instant::now();
+        loop {
+            running.assert_running();
+            if history
+                .records()
+                .iter()
+                .any(|r| r.broker == index && r.end.is_none())
+            {
+                break;
+            }
+            assert!(
+                since.elapsed() < limit,
+                "gave up after {limit:?} waiting for stress child {index} to have deliveries in \
+                 work; {} of {rows} rows finished",
+                history.finished_rows(max_attempts)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let cut = running.kill(&history);
         cuts.push(format!("SIGKILL child {index}: {cut} cut"));
         next_child += 1;
