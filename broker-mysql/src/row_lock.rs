@@ -18,9 +18,12 @@ use sqlx::{MySql, MySqlPool, Transaction};
 use crate::backend::claimed;
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt,
+    Args, P, RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt,
     WRITES_SAVEPOINT, begin_sql, execute_plain, retrying,
 };
+
+/// How many group heads a FIFO claim reads to find one it can lock.
+const FIFO_CANDIDATES: usize = 8;
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -29,6 +32,9 @@ pub struct MySqlRowLock {
     table: Arc<TableDescription>,
     begin: Arc<str>,
     claim: Stmt,
+    /// FIFO tables: the candidates (group heads in claim order, read without locks) and the
+    /// take that locks one of them by id (see [`MySqlRowLock::claim_once`]).
+    fifo: Option<(Stmt, Stmt)>,
     guard: Option<Stmt>,
     settle: SettleStatements,
 }
@@ -52,11 +58,33 @@ impl MySqlRowLock {
             s.order
         ))
         .stmt("claim");
+        let fifo = fifo::guard(&table, group_index).is_some().then(|| {
+            let candidates = Sql::new(format!(
+                "SELECT CAST({} AS SIGNED) FROM {} WHERE ",
+                s.id, s.table
+            ))
+            .append(&s.claimable)
+            .push(&format!(" ORDER BY {} LIMIT {FIFO_CANDIDATES}", s.order))
+            .stmt("fifo candidates");
+            let take = Sql::new(format!(
+                "SELECT {} FROM {} WHERE {} = ",
+                s.select_list(false),
+                s.table,
+                s.id
+            ))
+            .param(P::Id)
+            .push(" AND ")
+            .append(&s.claimable)
+            .push(" FOR UPDATE SKIP LOCKED")
+            .stmt("fifo take");
+            (candidates, take)
+        });
         let settle = s.settle(&table, &Sql::default(), true);
         Self {
             pool,
             begin: begin_sql(&table),
             claim,
+            fifo,
             guard: fifo::guard(&table, group_index),
             settle,
             table,
@@ -67,6 +95,10 @@ impl MySqlRowLock {
     /// table.
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.claim];
+        if let Some((candidates, take)) = &self.fifo {
+            out.push(candidates);
+            out.push(take);
+        }
         out.extend(&self.guard);
         out.extend(self.settle.named());
         out.into_iter().map(Stmt::named).collect()
@@ -87,12 +119,44 @@ impl MySqlRowLock {
             now_ms,
             ..Args::default()
         };
-        let row = self
-            .claim
-            .bind(&args)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(self.err("claim"))?;
+        let row = match &self.fifo {
+            None => self
+                .claim
+                .bind(&args)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(self.err("claim"))?,
+            Some((candidates, take)) => {
+                // A locking read keeps every row it reads through a secondary index and then
+                // rejects in its WHERE locked until the transaction ends (seen on MariaDB 10.11:
+                // a claim that passed a group's second row on the way to another group's head
+                // kept it locked, so the group could not move on while that delivery ran). The
+                // head condition is such a check, so the candidates are read without locks and
+                // one is locked by its id, the condition checked again under the lock.
+                let ids: Vec<i64> = candidates
+                    .bind(&args)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(self.err("fifo candidates"))?
+                    .iter()
+                    .map(|r| sqlx::Row::try_get(r, 0))
+                    .collect::<Result<_, _>>()
+                    .map_err(self.err("fifo candidates"))?;
+                let mut taken = None;
+                for id in ids {
+                    let args = Args { id, ..args };
+                    taken = take
+                        .bind(&args)
+                        .fetch_optional(&mut *tx)
+                        .await
+                        .map_err(self.err("fifo take"))?;
+                    if taken.is_some() {
+                        break;
+                    }
+                }
+                taken
+            }
+        };
         let Some(row) = row else {
             tx.rollback().await.map_err(self.err("rollback"))?;
             return Ok(None);
