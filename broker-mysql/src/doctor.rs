@@ -8,7 +8,6 @@ use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool, Row};
 
-use crate::schema::CLAIM_INDEX;
 use crate::version;
 
 async fn own_connection(pool: &MySqlPool) -> Result<MySqlConnection, sqlx::Error> {
@@ -179,51 +178,8 @@ async fn clock(conn: &mut MySqlConnection, table: &TableDescription) -> Check {
     }
 }
 
-/// The claim index the DDL helper creates (and, for FIFO tables, the group index).
+/// The claim index the DDL helper creates, in claim order. (A FIFO table without its group index
+/// is refused when a queue is prepared.)
 async fn indexes(conn: &mut MySqlConnection, table: &TableDescription) -> Check {
-    let name = "indexes";
-    let have: Result<Vec<String>, _> = sqlx::query_scalar(
-        "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
-         WHERE table_schema = DATABASE() AND table_name = ?",
-    )
-    .persistent(false)
-    .bind(table.name())
-    .fetch_all(&mut *conn)
-    .await;
-    let have = match have {
-        Ok(h) => h,
-        Err(e) => {
-            return Check::warn(
-                name,
-                format!("cannot list the table's indexes: {e}"),
-                "check them by hand",
-            );
-        }
-    };
-    // Without finishing columns or a priority the primary key is the claim order, and the DDL
-    // helper makes no claim index.
-    let ddl = crate::schema::ddl(table).join(" ");
-    let wanted: Vec<&str> = [CLAIM_INDEX, crate::fifo::GROUP_INDEX]
-        .into_iter()
-        .filter(|n| ddl.contains(&format!("INDEX {}", crate::sql::ident(n))))
-        .collect();
-    let missing: Vec<&str> = wanted
-        .iter()
-        .copied()
-        .filter(|n| !have.iter().any(|h| h == n))
-        .collect();
-    if missing.is_empty() {
-        return Check::pass(
-            name,
-            format!("the claim's indexes are there: {}", wanted.join(", ")),
-        );
-    }
-    Check::warn(
-        name,
-        format!(
-            "missing {}: without an index in claim order a FOR UPDATE SKIP LOCKED claim scans (and locks) every row it passes, so a second worker gets nothing",
-            missing.join(", ")
-        ),
-        "create them as the DDL helper does (broker.ddl(&table) prints the table with its indexes)",
-    )
+    broker_core::driver::indexes::check(crate::schema::index_advice(conn, table).await)
 }

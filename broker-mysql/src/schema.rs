@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use broker_core::driver::indexes::IndexAdvice;
 use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{Executor, MySqlConnection};
 
@@ -62,27 +63,18 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
 /// index the FIFO head check and guard read; then the dead-letter table.
 ///
 /// The claim index holds the columns that finish a row (so finished rows are not scanned), then
-/// the claim order (`priority DESC, id`). A `FOR UPDATE SKIP LOCKED` claim that has to sort its
+/// the claim order (`priority DESC, due time, id`). A `FOR UPDATE SKIP LOCKED` claim that has to sort its
 /// rows (a filesort) locks every row it scans before sorting, so a second worker finds them all
 /// locked and gets nothing; reading an index in claim order, the claim stops after its `LIMIT`.
-/// Without finishing columns or a priority the primary key already is that order. (Descending
+/// Without finishing columns, a priority or a due time the primary key already is that order. (Descending
 /// index parts need MySQL 8.0 or MariaDB 10.8; MariaDB 10.6 and 10.7 read the index backwards
 /// for a priority table and sort.)
 pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
     let mut cols = columns(t, true);
     let unfinished: Vec<String> = unfinished_columns(t).into_iter().map(ident).collect();
-    if !unfinished.is_empty() || t.priority().is_some() {
-        let mut claim = unfinished.clone();
-        if let Some(p) = t.priority() {
-            claim.push(format!("{} DESC", ident(p)));
-        }
-        claim.push(ident(t.id()));
-        cols.push(format!(
-            "INDEX {} ({})",
-            ident(CLAIM_INDEX),
-            claim.join(", ")
-        ));
+    if let Some(claim) = claim_index(t) {
+        cols.push(claim);
     }
     if let Some(g) = t.group() {
         let mut group = vec![ident(g)];
@@ -106,6 +98,93 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         ));
     }
     out
+}
+
+/// The claim index's columns: those that finish a row (compared with `IS NULL`, so finished
+/// rows sit apart), then the claim order: priority (highest first), due time, id.
+fn claim_index_columns(t: &TableDescription) -> Vec<(String, bool)> {
+    let mut cols: Vec<(String, bool)> = unfinished_columns(t)
+        .into_iter()
+        .map(|c| (c.to_owned(), false))
+        .collect();
+    if let Some(p) = t.priority() {
+        cols.push((p.to_owned(), true));
+    }
+    if let Some(c) = t.due_at() {
+        cols.push((c.to_owned(), false));
+    }
+    cols.push((t.id().to_owned(), false));
+    cols
+}
+
+/// The claim index as an index definition inside CREATE TABLE or after ADD; `None` where the
+/// primary key is the claim order (no finishing column, priority or due time).
+fn claim_index(t: &TableDescription) -> Option<String> {
+    let cols = claim_index_columns(t);
+    (cols.len() > 1).then(|| {
+        format!(
+            "INDEX {} ({})",
+            ident(CLAIM_INDEX),
+            cols.iter()
+                .map(|(c, desc)| format!("{}{}", ident(c), if *desc { " DESC" } else { "" }))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })
+}
+
+/// Whether the claim index is missing or not in the claim's order: what was found and the
+/// statement that puts it right. Any index whose columns are the claim index's counts, whatever
+/// its name; one named `sqlx_broker_claim` with other columns (made by the DDL helper before the
+/// claim led with the due time) is dropped and made again by the statement. Without it a claim
+/// sorts what it reads (a filesort) and locks every row it scans; only slowness follows, so the
+/// caller warns.
+pub(crate) async fn index_advice(
+    conn: &mut MySqlConnection,
+    t: &TableDescription,
+) -> Result<Vec<IndexAdvice>, sqlx::Error> {
+    let Some(definition) = claim_index(t) else {
+        return Ok(Vec::new());
+    };
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT CAST(INDEX_NAME AS CHAR), CAST(COLUMN_NAME AS CHAR) FROM information_schema.STATISTICS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? ORDER BY INDEX_NAME, SEQ_IN_INDEX",
+    )
+    .persistent(false)
+    .bind(t.name())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut found: Vec<(String, Vec<String>)> = Vec::new();
+    for (index, column) in rows {
+        match found.last_mut() {
+            Some((name, cols)) if *name == index => cols.push(column),
+            _ => found.push((index, vec![column])),
+        }
+    }
+    let wanted: Vec<String> = claim_index_columns(t).into_iter().map(|(c, _)| c).collect();
+    if found.iter().any(|(_, cols)| *cols == wanted) {
+        return Ok(Vec::new());
+    }
+    let table = ident(t.name());
+    Ok(vec![match found.iter().find(|(n, _)| n == CLAIM_INDEX) {
+        Some((_, cols)) => IndexAdvice {
+            name: CLAIM_INDEX.to_owned(),
+            found: format!(
+                "it is on ({}), not the claim's order ({})",
+                cols.join(", "),
+                wanted.join(", ")
+            ),
+            fix: vec![format!(
+                "ALTER TABLE {table} DROP INDEX {}, ADD {definition}",
+                ident(CLAIM_INDEX)
+            )],
+        },
+        None => IndexAdvice {
+            name: CLAIM_INDEX.to_owned(),
+            found: format!("no index on ({})", wanted.join(", ")),
+            fix: vec![format!("ALTER TABLE {table} ADD {definition}")],
+        },
+    }])
 }
 
 /// The DROP statements that undo [`ddl`].
@@ -342,7 +421,7 @@ mod tests {
         assert!(queue.contains("`grp` VARCHAR(255) NULL"), "{queue}");
         assert!(queue.contains("`prio` INT NOT NULL DEFAULT 0"), "{queue}");
         assert!(
-            queue.contains("INDEX `sqlx_broker_claim` (`done`, `prio` DESC, `id`)"),
+            queue.contains("INDEX `sqlx_broker_claim` (`done`, `prio` DESC, `due`, `id`)"),
             "{queue}"
         );
         assert!(

@@ -223,7 +223,7 @@ pub(crate) struct Statements {
     pub(crate) attempt: String,
     /// The conditions of a claimable row.
     pub(crate) claimable: Sql,
-    /// `ORDER BY` of a claim: higher priority first, then publish order. The claim index the
+    /// `ORDER BY` of a claim: higher priority first, then the due time, then publish order. The claim index the
     /// DDL helper creates has these columns in this order, so the claim reads rows in order
     /// instead of sorting them (a filesort would lock every row it scans).
     pub(crate) order: String,
@@ -255,10 +255,18 @@ impl Statements {
         if claimable.is_empty() {
             claimable.push(Sql::new("1 = 1"));
         }
-        let order = match t.priority() {
-            Some(p) => format!("{} DESC, {id}", col(p)),
-            None => id.clone(),
-        };
+        // The due time leads the order after the priority: the claim index has it in that place,
+        // so the claim's range scan reads NULL (due at once) and past due times first and ends
+        // at the first row not due yet, however many scheduled rows have lower ids.
+        let mut order = Vec::new();
+        if let Some(p) = t.priority() {
+            order.push(format!("{} DESC", col(p)));
+        }
+        if let Some(c) = t.due_at() {
+            order.push(col(c));
+        }
+        order.push(id.clone());
+        let order = order.join(", ");
         let mut aliases_tail = String::new();
         if let Some((p, _)) = t.payload() {
             aliases_tail.push_str(&format!(", {} AS {}", col(p), alias::PAYLOAD));

@@ -290,7 +290,7 @@ impl Backend for PgBackend {
         .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
         version::check(&num, &text)?;
         let columns = schema::table_columns(&mut conn, table, prepared).await?;
-        let prepared = match table.mode() {
+        let strategy = match table.mode() {
             ClaimMode::RowLock => {
                 let mut s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
                 if pooled {
@@ -329,7 +329,16 @@ impl Backend for PgBackend {
                 ));
             }
         };
-        Ok(prepared)
+        // Only after the table check: a missing table has no indexes to advise on.
+        match schema::index_advice(&mut conn, table, prepared).await {
+            Ok(advice) => broker_core::driver::indexes::warn(table.name(), &advice),
+            Err(e) => tracing::warn!(
+                table = table.name(),
+                error = %e,
+                "cannot list the table's indexes; check them with the doctor"
+            ),
+        }
+        Ok(strategy)
     }
 
     async fn publish<'c, P>(

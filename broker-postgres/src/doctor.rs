@@ -278,64 +278,7 @@ async fn clock(conn: &mut PgConnection, table: &TableDescription) -> Check {
 
 /// The indexes the DDL helper creates for the claim, by name.
 async fn indexes(conn: &mut PgConnection, table: &TableDescription) -> Check {
-    let name = "indexes";
-    let wanted: Vec<(String, String)> = schema::ddl(table)
-        .into_iter()
-        .filter_map(|sql| {
-            let rest = sql.strip_prefix("CREATE INDEX IF NOT EXISTS ")?;
-            let end = rest.find(" ON ")?;
-            Some((rest[..end].trim_matches('"').replace("\"\"", "\""), sql))
-        })
-        .collect();
-    // A bound statement goes unnamed, so it runs inside a transaction: behind a
-    // transaction-mode pooler its parse and its execution must reach one server session.
-    let have: Result<Vec<String>, sqlx::Error> = async {
-        let mut tx = conn.begin().await?;
-        let have = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
-             WHERE i.indrelid = to_regclass($1::text)",
-        )
-        .persistent(false)
-        .bind(ident(table.name()))
-        .fetch_all(&mut *tx)
-        .await;
-        let _ = tx.rollback().await;
-        have
-    }
-    .await;
-    let have = match have {
-        Ok(h) => h,
-        Err(e) => {
-            return Check::warn(
-                name,
-                format!("cannot list the table's indexes: {e}"),
-                "check them by hand",
-            );
-        }
-    };
-    let missing: Vec<&(String, String)> =
-        wanted.iter().filter(|(n, _)| !have.contains(n)).collect();
-    if missing.is_empty() {
-        let names: Vec<&str> = wanted.iter().map(|(n, _)| n.as_str()).collect();
-        return Check::pass(
-            name,
-            format!("the claim's indexes are there: {}", names.join(", ")),
-        );
-    }
-    Check::warn(
-        name,
-        format!(
-            "missing {}: claims then scan the table, and slow down as it grows",
-            missing
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        missing
-            .iter()
-            .map(|(_, sql)| format!("{sql};"))
-            .collect::<Vec<_>>()
-            .join(" "),
-    )
+    // Unprepared, so its statements run inside a transaction: behind a transaction-mode pooler
+    // a bound statement's parse and execution must reach one server session.
+    broker_core::driver::indexes::check(schema::index_advice(conn, table, false).await)
 }

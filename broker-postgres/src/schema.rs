@@ -3,11 +3,12 @@
 
 use std::collections::HashMap;
 
+use broker_core::driver::indexes::IndexAdvice;
 use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, SqlSafeStr};
 
-use crate::sql::ident;
+use crate::sql::{due_key, ident};
 
 /// The SQL type of a declared column.
 pub(crate) fn column_type(ty: ColumnType) -> &'static str {
@@ -81,7 +82,7 @@ fn index_name(table: &str, suffix: &str) -> String {
 }
 
 /// The DDL of a description: the table, the index the claim reads (partial: only unfinished
-/// rows, in claim order), the group index FIFO heads need, and the dead-letter table with the
+/// rows, in claim order: priority, due time, id), the group index FIFO heads need, and the dead-letter table with the
 /// same columns in the same order (so a row moves with `INSERT .. SELECT *`).
 pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
@@ -89,31 +90,9 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         "CREATE TABLE IF NOT EXISTS {table} ({})",
         columns(t, true).join(", ")
     )];
-    let mut unfinished = Vec::new();
-    if let Some(c) = t.processed_at() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
-    }
-    let partial = if unfinished.is_empty() {
-        String::new()
-    } else {
-        format!(" WHERE {}", unfinished.join(" AND "))
-    };
-    let mut claim_cols = Vec::new();
-    if let Some(p) = t.priority() {
-        claim_cols.push(format!("{} DESC", ident(p)));
-    }
-    claim_cols.push(ident(t.id()));
-    // Without a priority or a finishing column the claim reads the primary key in id order; an
-    // index on (id) alone would duplicate it and cost every insert a second write.
-    if t.priority().is_some() || !partial.is_empty() {
-        out.push(format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
-            ident(&index_name(t.name(), "claim")),
-            claim_cols.join(", ")
-        ));
+    let partial = partial(t);
+    if let Some(sql) = claim_index(t) {
+        out.push(sql);
     }
     if let Some(g) = t.group() {
         out.push(format!(
@@ -131,6 +110,135 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         ));
     }
     out
+}
+
+/// The claim index's key columns, in the claim's order: the priority (highest first), the due
+/// time as [`due_key`] sorts it, the id.
+fn claim_index_columns(t: &TableDescription) -> Vec<String> {
+    let mut cols = Vec::new();
+    if let Some(p) = t.priority() {
+        cols.push(format!("{} DESC", ident(p)));
+    }
+    if let Some(c) = t.due_at() {
+        cols.push(format!("({})", due_key(&ident(c))));
+    }
+    cols.push(ident(t.id()));
+    cols
+}
+
+/// The claim index of a description (see [`ddl`]); `None` where the claim reads the primary key:
+/// a plain table without a priority, a due time or a finishing column, whose claim order is the
+/// id's. An index on (id) alone would duplicate the key and cost every insert a second write.
+pub(crate) fn claim_index(t: &TableDescription) -> Option<String> {
+    let cols = claim_index_columns(t);
+    let partial = partial(t);
+    if cols.len() == 1 && partial.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {} ({}){partial}",
+        ident(&index_name(t.name(), "claim")),
+        ident(t.name()),
+        cols.join(", ")
+    ))
+}
+
+/// The `WHERE` of a partial index over unfinished rows; empty when every row is unfinished (an
+/// ack deletes, a dead letter moves).
+fn partial(t: &TableDescription) -> String {
+    let mut unfinished = Vec::new();
+    if let Some(c) = t.processed_at() {
+        unfinished.push(format!("{} IS NULL", ident(c)));
+    }
+    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+        unfinished.push(format!("{} IS NULL", ident(c)));
+    }
+    if unfinished.is_empty() {
+        String::new()
+    } else {
+        format!(" WHERE {}", unfinished.join(" AND "))
+    }
+}
+
+/// The indexes of `t` that are missing or not what the claim reads (see [`ddl`]). The claim
+/// index may have any name as long as its key columns are the claim's order; one under the
+/// helper's name with other columns (made by the helper before the claim led with the due time)
+/// is named to be dropped and made again. Only slowness follows from any of these, never a
+/// wrong claim, so the caller warns.
+pub(crate) async fn index_advice(
+    conn: &mut PgConnection,
+    t: &TableDescription,
+    prepared: bool,
+) -> Result<Vec<IndexAdvice>, sqlx::Error> {
+    let found: Vec<(String, Vec<String>, bool)> = read_by_table(
+        conn,
+        "SELECT c.relname::text, \
+         ARRAY(SELECT pg_get_indexdef(i.indexrelid, k, true) \
+               FROM generate_series(1, i.indnkeyatts::int) AS k ORDER BY k)::text[], \
+         i.indpred IS NOT NULL \
+         FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
+         WHERE i.indrelid = to_regclass($1::text)",
+        &ident(t.name()),
+        prepared,
+    )
+    .await?;
+    // Key columns as pg_get_indexdef prints them, quotes dropped.
+    let plain = |s: &str| s.replace('"', "");
+    let mut wanted: Vec<(String, Vec<String>, bool, String)> = Vec::new();
+    if let Some(sql) = claim_index(t) {
+        let mut keys: Vec<String> = t.priority().into_iter().map(plain).collect();
+        if let Some(c) = t.due_at() {
+            keys.push(format!(
+                "COALESCE({}, '-infinity'::timestamp with time zone)",
+                plain(c)
+            ));
+        }
+        keys.push(plain(t.id()));
+        wanted.push((
+            index_name(t.name(), "claim"),
+            keys,
+            !partial(t).is_empty(),
+            sql,
+        ));
+    }
+    if let Some(g) = t.group() {
+        let sql = ddl(t)
+            .into_iter()
+            .find(|s| s.contains(&ident(&index_name(t.name(), "group"))))
+            .expect("the DDL has the group index");
+        wanted.push((
+            index_name(t.name(), "group"),
+            vec![plain(g), plain(t.id())],
+            !partial(t).is_empty(),
+            sql,
+        ));
+    }
+    let mut out = Vec::new();
+    for (name, keys, partial, sql) in wanted {
+        let fits = |(_, k, p): &&(String, Vec<String>, bool)| {
+            *p == partial && k.iter().map(|c| plain(c)).eq(keys.iter().cloned())
+        };
+        if found.iter().any(|f| fits(&f)) {
+            continue;
+        }
+        match found.iter().find(|(n, _, _)| *n == name) {
+            Some((_, k, _)) => out.push(IndexAdvice {
+                found: format!(
+                    "index \"{name}\" is on ({}), not the claim's order ({})",
+                    k.join(", "),
+                    keys.join(", ")
+                ),
+                fix: vec![format!("DROP INDEX {}", ident(&name)), sql],
+                name,
+            }),
+            None => out.push(IndexAdvice {
+                found: format!("no index on ({})", keys.join(", ")),
+                fix: vec![sql],
+                name,
+            }),
+        }
+    }
+    Ok(out)
 }
 
 /// The DROP statements that undo [`ddl`] (the indexes go with their table).

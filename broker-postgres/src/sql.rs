@@ -28,6 +28,13 @@ pub(crate) fn ts(param: &str) -> String {
     format!("(TIMESTAMPTZ 'epoch' + {param}::int8 * INTERVAL '1 millisecond')")
 }
 
+/// The claim's sort key for a due-time column `col` (qualified or not): the due time, a NULL
+/// (due at once) first of all. The claim index has this very expression, so the planner matches
+/// the claim's condition and order to it.
+pub(crate) fn due_key(col: &str) -> String {
+    format!("COALESCE({col}, TIMESTAMPTZ '-infinity')")
+}
+
 /// A `TIMESTAMPTZ` expression read back as unix milliseconds.
 pub(crate) fn ms(expr: &str) -> String {
     format!("(EXTRACT(EPOCH FROM {expr}) * 1000)::int8")
@@ -171,7 +178,15 @@ impl Statements {
         if let Some(DeadLetter::Column(c)) = t.dead_letter() {
             claimable.push(format!("q.{} IS NULL", ident(c)));
         }
-        for c in [t.due_at(), t.locked_until()].into_iter().flatten() {
+        // The due time leads the claim order (after the priority), and the claim index has it as
+        // an expression: the claim then reads due rows first and stops at the first row not due
+        // yet, however many scheduled rows come earlier in id order. A NULL due time is due at
+        // once, first of all.
+        let due = t.due_at().map(|c| due_key(&format!("q.{}", ident(c))));
+        if let Some(due) = &due {
+            claimable.push(format!("{due} <= {}", ts("$1")));
+        }
+        if let Some(c) = t.locked_until() {
             let c = ident(c);
             claimable.push(format!("(q.{c} IS NULL OR q.{c} <= {})", ts("$1")));
         }
@@ -183,13 +198,20 @@ impl Statements {
             // parameter in the statement, typed, so the bind count and types still match.
             claimable.push("$1::int8 IS NOT NULL".into());
         }
-        let (order, order_out) = match t.priority() {
-            Some(p) => {
-                let p = ident(p);
-                (format!("q.{p} DESC, q.{id}"), format!("{p} DESC, {id}"))
-            }
-            None => (format!("q.{id}"), id.clone()),
-        };
+        let mut order = Vec::new();
+        let mut order_out = Vec::new();
+        if let Some(p) = t.priority() {
+            let p = ident(p);
+            order.push(format!("q.{p} DESC"));
+            order_out.push(format!("{p} DESC"));
+        }
+        if let (Some(due), Some(c)) = (&due, t.due_at()) {
+            order.push(due.clone());
+            order_out.push(due_key(&ident(c)));
+        }
+        order.push(format!("q.{id}"));
+        order_out.push(id.clone());
+        let (order, order_out) = (order.join(", "), order_out.join(", "));
         Self {
             table,
             id,

@@ -41,6 +41,7 @@ bounded!(
     the_wake_up_survives_a_terminated_listener,
     a_column_added_by_a_migration_does_not_stop_claims,
     a_batch_larger_than_one_statement_lands_whole_and_in_order,
+    a_claim_reads_no_row_scheduled_ahead_of_the_due_ones,
 );
 
 mod case {
@@ -190,6 +191,14 @@ mod case {
     pub(super) async fn a_time_column_without_a_time_zone_is_refused_naming_it() {
         let fx = fixture(ClaimMode::Lease).await;
         let mut conn = fx.broker.pool().acquire().await.unwrap();
+        // The claim index's expression mixes due_at with a TIMESTAMPTZ: it goes first, or the
+        // server refuses the new type for it.
+        conn.execute(sqlx::AssertSqlSafe(format!(
+            "DROP INDEX \"{}_claim\"",
+            fx.table.name()
+        )))
+        .await
+        .unwrap();
         conn.execute(sqlx::AssertSqlSafe(format!(
             "ALTER TABLE \"{}\" ALTER COLUMN due_at TYPE TIMESTAMP",
             fx.table.name()
@@ -381,6 +390,55 @@ mod case {
         .await
         .unwrap();
         assert_eq!(count, 2500);
+        fx.cleanup().await;
+    }
+
+    /// Issue #13: with 5,000 rows scheduled an hour ahead and lower ids than the due rows, a claim
+    /// reads the due row through the claim index and none of the scheduled ones. Counted, not
+    /// timed: the server's per-transaction counters of the claim's own transaction (row lock
+    /// mode lends it) say how many table rows were read by every scan in it, the claim's
+    /// included. A claim in id order that filters on the due time reads all 5,000.
+    pub(super) async fn a_claim_reads_no_row_scheduled_ahead_of_the_due_ones() {
+        const AHEAD: i64 = 5_000;
+        let fx = fixture(ClaimMode::RowLock).await;
+        let q = fx.queue().await;
+        let t = format!("\"{}\"", fx.table.name());
+        fx.broker
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {t} (payload, due_at) SELECT 'ahead-' || i, now() + INTERVAL '1 hour' \
+                 FROM generate_series(1, {AHEAD}) AS i"
+            )))
+            .await
+            .unwrap();
+        let due = fx.publish(&q, 3).await;
+        fx.broker
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!("ANALYZE {t}")))
+            .await
+            .unwrap();
+        let mut d = claim_one(&q).await;
+        assert_eq!(d.id(), due[0], "the first due row, not a scheduled one");
+        let tx = d
+            .transaction()
+            .await
+            .unwrap()
+            .expect("row lock lends its transaction");
+        // Rows a sequential scan read are counted on the table, rows an index scan fetched on
+        // the index.
+        let (fetched, scanned): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT COALESCE((SELECT sum(pg_stat_get_xact_tuples_fetched(i.indexrelid)) \
+             FROM pg_index AS i WHERE i.indrelid = '{t}'::regclass), 0)::int8, \
+             pg_stat_get_xact_tuples_returned('{t}'::regclass)"
+        )))
+        .fetch_one(&mut **tx)
+        .await
+        .unwrap();
+        assert!(
+            fetched + scanned < 50,
+            "the claim read {fetched} rows through indexes and {scanned} in sequential scans, with {AHEAD} scheduled rows ahead"
+        );
+        d.ack().await.unwrap();
         fx.cleanup().await;
     }
 }

@@ -134,7 +134,7 @@ impl Backend for SqliteBackend {
             .await
             .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
         version::check(&found)?;
-        let prepared = match table.mode() {
+        let strategy = match table.mode() {
             ClaimMode::Lease => {
                 let s = SqliteLease::new(self.pool.clone(), table.clone(), self.keys.clone());
                 schema::check(&mut conn, table, &s.statements()).await?;
@@ -161,7 +161,15 @@ impl Backend for SqliteBackend {
                 ));
             }
         };
-        Ok(prepared)
+        match schema::index_advice(&mut conn, table).await {
+            Ok(advice) => broker_core::driver::indexes::warn(table.name(), &advice),
+            Err(e) => tracing::warn!(
+                table = table.name(),
+                error = %e,
+                "cannot list the table's indexes; check them with the doctor"
+            ),
+        }
+        Ok(strategy)
     }
 
     async fn publish<'c, P>(

@@ -75,46 +75,8 @@ pub(crate) async fn checks(
             "run one process per database file, or use lease mode (a locked_until column) for several",
         ));
     }
-    let have: Result<Vec<String>, _> = sqlx::query_scalar("SELECT name FROM pragma_index_list(?)")
-        .bind(table.name())
-        .fetch_all(&mut *conn)
-        .await;
-    let wanted: Vec<String> = crate::schema::ddl(table)
-        .into_iter()
-        .filter_map(|sql| {
-            let rest = sql.strip_prefix("CREATE INDEX IF NOT EXISTS ")?;
-            let end = rest.find(" ON ")?;
-            Some(rest[..end].trim_matches('`').replace("``", "`"))
-        })
-        .collect();
-    out.push(match have {
-        Ok(have) => {
-            let missing: Vec<&String> = wanted.iter().filter(|n| !have.contains(n)).collect();
-            if missing.is_empty() {
-                Check::pass(
-                    "indexes",
-                    format!("the claim's indexes are there: {}", wanted.join(", ")),
-                )
-            } else {
-                Check::warn(
-                    "indexes",
-                    format!(
-                        "missing {}: claims then scan the table",
-                        missing
-                            .iter()
-                            .map(|s| s.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                    "create them as the DDL helper does (broker.ddl(&table) prints them)",
-                )
-            }
-        }
-        Err(e) => Check::warn(
-            "indexes",
-            format!("cannot list them: {e}"),
-            "check them by hand",
-        ),
-    });
+    out.push(broker_core::driver::indexes::check(
+        crate::schema::index_advice(&mut conn, table).await,
+    ));
     out
 }

@@ -1,6 +1,7 @@
 //! DDL for a description, and the startup checks that the table, its columns and every
 //! statement are in order.
 
+use broker_core::driver::indexes::IndexAdvice;
 use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{Executor, SqliteConnection};
 
@@ -56,6 +57,19 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         "CREATE TABLE IF NOT EXISTS {table} ({})",
         columns(t, true).join(", ")
     )];
+    out.extend(claim_indexes(t));
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        out.push(format!(
+            "CREATE TABLE IF NOT EXISTS {} ({})",
+            ident(d),
+            columns(t, false).join(", ")
+        ));
+    }
+    out
+}
+
+/// The `WHERE` of a partial index over unfinished rows; empty when every row is unfinished.
+fn partial(t: &TableDescription) -> String {
     let mut unfinished = Vec::new();
     if let Some(c) = t.processed_at() {
         unfinished.push(format!("{} IS NULL", ident(c)));
@@ -63,19 +77,31 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     if let Some(DeadLetter::Column(c)) = t.dead_letter() {
         unfinished.push(format!("{} IS NULL", ident(c)));
     }
-    let partial = if unfinished.is_empty() {
+    if unfinished.is_empty() {
         String::new()
     } else {
         format!(" WHERE {}", unfinished.join(" AND "))
-    };
+    }
+}
+
+/// The indexes the claims read, by name: the claim index (priority, due time as
+/// [`due_key`](crate::sql::due_key) sorts it, id; partial over unfinished rows) and, with a
+/// group column, the group index the FIFO head condition reads. A plain table without a
+/// priority, a due time or a finishing column gets no claim index: its claim order is the
+/// primary key's, and an index on (id) alone would cost every insert a second write.
+pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
+    let table = ident(t.name());
+    let partial = partial(t);
+    let mut out = Vec::new();
     let mut claim_cols = Vec::new();
     if let Some(p) = t.priority() {
         claim_cols.push(format!("{} DESC", ident(p)));
     }
+    if let Some(c) = t.due_at() {
+        claim_cols.push(crate::sql::due_key(&ident(c)));
+    }
     claim_cols.push(ident(t.id()));
-    // Without a priority or a finishing column the claim reads the primary key in id order; an
-    // index on (id) alone would duplicate it and cost every insert a second write.
-    if t.priority().is_some() || !partial.is_empty() {
+    if claim_cols.len() > 1 || !partial.is_empty() {
         out.push(format!(
             "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
             ident(&format!("{}_claim", t.name())),
@@ -90,14 +116,57 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
             ident(t.id())
         ));
     }
-    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
-        out.push(format!(
-            "CREATE TABLE IF NOT EXISTS {} ({})",
-            ident(d),
-            columns(t, false).join(", ")
-        ));
-    }
     out
+}
+
+/// The claim indexes of `t` that are missing or differ from what [`claim_indexes`] makes: for
+/// each, what was found and the statements that put it right. An index of any name with the same
+/// definition counts; one under the helper's name with another definition (made before the claim
+/// led with the due time) is named to be dropped and made again. Only slowness follows, so the
+/// caller warns.
+pub(crate) async fn index_advice(
+    conn: &mut SqliteConnection,
+    t: &TableDescription,
+) -> Result<Vec<IndexAdvice>, sqlx::Error> {
+    let found: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?1",
+    )
+    .bind(t.name())
+    .fetch_all(&mut *conn)
+    .await?;
+    // SQLite keeps each CREATE INDEX as written, less IF NOT EXISTS: compare what follows " ON ".
+    let body = |sql: &str| sql.split_once(" ON ").map(|(_, b)| b.trim().to_owned());
+    let mut out = Vec::new();
+    for sql in claim_indexes(t) {
+        let rest = sql
+            .strip_prefix("CREATE INDEX IF NOT EXISTS ")
+            .expect("the helper's indexes");
+        let name = rest[..rest.find(" ON ").expect("an ON")].to_owned();
+        let want = body(&sql);
+        if found
+            .iter()
+            .any(|(_, s)| s.as_deref().and_then(body) == want)
+        {
+            continue;
+        }
+        let plain = name.trim_matches('`').replace("``", "`");
+        match found.iter().find(|(n, _)| *n == plain) {
+            Some((_, have)) => out.push(IndexAdvice {
+                name: plain,
+                found: format!(
+                    "it is {}, not the claim's {rest}",
+                    have.as_deref().unwrap_or("?")
+                ),
+                fix: vec![format!("DROP INDEX {name}"), sql.clone()],
+            }),
+            None => out.push(IndexAdvice {
+                name: plain,
+                found: format!("missing: {rest}"),
+                fix: vec![sql.clone()],
+            }),
+        }
+    }
+    Ok(out)
 }
 
 /// The DROP statements that undo [`ddl`].

@@ -26,6 +26,13 @@ pub(crate) fn ident(name: &str) -> String {
     format!("`{}`", name.replace('`', "``"))
 }
 
+/// The claim's sort key for the due-time column `col` (unix ms): the due time, NULL (due at
+/// once) as 0, before every real one. The claim index has this very expression, so SQLite reads
+/// the claim's condition and order from it.
+pub(crate) fn due_key(col: &str) -> String {
+    format!("ifnull({col}, 0)")
+}
+
 /// The statements of one table, built once at subscribe time.
 #[derive(Debug, Clone)]
 pub(crate) struct Statements {
@@ -53,9 +60,12 @@ impl Statements {
         if let Some(DeadLetter::Column(c)) = t.dead_letter() {
             claimable.push(format!("{} IS NULL", ident(c)));
         }
-        if let Some(c) = t.due_at() {
-            let c = ident(c);
-            claimable.push(format!("({c} IS NULL OR {c} <= ?1)"));
+        // The due time leads the claim order (after the priority), as the claim index's
+        // expression: due rows come first and the scan stops at the first row not due yet,
+        // however many scheduled rows come earlier in id order. NULL is due at once.
+        let due = t.due_at().map(|c| due_key(&ident(c)));
+        if let Some(due) = &due {
+            claimable.push(format!("{due} <= ?1"));
         }
         if let Some(c) = t.locked_until() {
             let c = ident(c);
@@ -67,10 +77,13 @@ impl Statements {
         if claimable.is_empty() {
             claimable.push("1 = 1".into());
         }
-        let order = match t.priority() {
-            Some(p) => format!("{} DESC, {id}", ident(p)),
-            None => id.clone(),
-        };
+        let mut order = Vec::new();
+        if let Some(p) = t.priority() {
+            order.push(format!("{} DESC", ident(p)));
+        }
+        order.extend(due);
+        order.push(id.clone());
+        let order = order.join(", ");
         let mut returning_tail = format!(", {id} AS {}", alias::ID);
         if let Some((p, _)) = t.payload() {
             returning_tail.push_str(&format!(", {} AS {}", ident(p), alias::PAYLOAD));

@@ -33,8 +33,16 @@ impl broker_testkit::TestDb for Sqlite {
     }
 
     async fn execute(broker: &SqliteBroker, sql: &str) -> u64 {
+        let mut conn = broker.pool().acquire().await.expect("a connection");
+        // A read first: a connection whose copy of the schema is older than another
+        // connection's DDL reloads it at its next read, but checks a DDL statement against the
+        // old copy ("index ... already exists" right after another connection dropped it).
+        sqlx::query("SELECT count(*) FROM sqlite_master")
+            .execute(&mut *conn)
+            .await
+            .expect("read the schema");
         sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(broker.pool())
+            .execute(&mut *conn)
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
             .rows_affected()

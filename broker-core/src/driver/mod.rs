@@ -8,6 +8,7 @@
 //! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
 
 pub mod clock;
+pub mod indexes;
 pub mod retry;
 
 use std::future::Future;

@@ -93,38 +93,6 @@ pub async fn every_description_error_is_refused_with_a_clear_message<D: TestDb>(
     assert!(err.contains("table name is empty"), "{err}");
 }
 
-/// The DDL helper makes no claim index that copies the primary key: a plain table claims in id
-/// order through the key, and only a priority or a finishing column gets an index of its own.
-pub async fn no_claim_index_copies_the_primary_key<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
-    let claim_index = |t: &TableDescription| {
-        fx.broker
-            .ddl(t)
-            .into_iter()
-            .filter(|s| s.contains("_claim"))
-            .collect::<Vec<_>>()
-    };
-    let plain = describe(&unique_name("plain"), ClaimMode::Lease)
-        .build()
-        .unwrap();
-    assert!(
-        claim_index(&plain).is_empty(),
-        "{:?}",
-        fx.broker.ddl(&plain)
-    );
-    let marked = describe(&unique_name("marked"), ClaimMode::Lease)
-        .processed_at("processed_at")
-        .build()
-        .unwrap();
-    assert_eq!(
-        claim_index(&marked).len(),
-        1,
-        "{:?}",
-        fx.broker.ddl(&marked)
-    );
-    fx.cleanup().await;
-}
-
 /// A table that does not exist is refused at subscribe time, naming the table.
 pub async fn a_missing_table_is_a_schema_error_naming_it<D: TestDb>() {
     let url = D::database().await;

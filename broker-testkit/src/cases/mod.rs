@@ -3,6 +3,7 @@
 //! stamps a mode's cases only for backends that offer the mode, so no case returns early.
 
 mod attempts;
+mod backlog;
 mod bad_input;
 mod concurrency;
 mod description;
@@ -17,6 +18,7 @@ mod settle;
 mod stress;
 
 pub use attempts::*;
+pub use backlog::*;
 pub use bad_input::*;
 pub use concurrency::*;
 pub use description::*;

@@ -1,0 +1,63 @@
+//! What a backend found wrong with the indexes a table's claims read, said the same way by
+//! every backend: as a warning when a queue is prepared, and as the doctor's "indexes" check.
+//!
+//! A missing or outdated claim index never makes a claim wrong, only slow: the claim then reads
+//! rows it cannot take (not due yet, finished, in a busy group) on every call, so the cost grows
+//! with them. That is why these are warnings and never refuse a queue.
+
+use crate::doctor::Check;
+
+/// One index the claims of a table should have and do not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexAdvice {
+    /// The index, as the DDL helper names it.
+    pub name: String,
+    /// What was found instead: missing, or an index under that name with other columns.
+    pub found: String,
+    /// The statements that put it right, in order.
+    pub fix: Vec<String>,
+}
+
+/// Logs one warning per piece of advice, naming the statements to run.
+pub fn warn(table: &str, advice: &[IndexAdvice]) {
+    for a in advice {
+        tracing::warn!(
+            table,
+            index = a.name,
+            "{}: claims will slow down as rows they cannot take pile up; run: {}",
+            a.found,
+            a.fix.join("; ")
+        );
+    }
+}
+
+/// The doctor's "indexes" check from a backend's advice (or the error that kept it from looking).
+pub fn check<E: std::fmt::Display>(advice: Result<Vec<IndexAdvice>, E>) -> Check {
+    let name = "indexes";
+    match advice {
+        Err(e) => Check::warn(
+            name,
+            format!("cannot list the table's indexes: {e}"),
+            "check them by hand against the DDL helper's (broker.ddl(&table))",
+        ),
+        Ok(advice) if advice.is_empty() => {
+            Check::pass(name, "the indexes the claim reads are there")
+        }
+        Ok(advice) => Check::warn(
+            name,
+            format!(
+                "{}: claims then read rows they cannot take, and slow down as those pile up",
+                advice
+                    .iter()
+                    .map(|a| format!("{}: {}", a.name, a.found))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            advice
+                .iter()
+                .flat_map(|a| a.fix.iter().map(|s| format!("{s};")))
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+    }
+}

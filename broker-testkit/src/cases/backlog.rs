@@ -1,0 +1,114 @@
+//! Issue #13: a claim's cost must not grow with the rows it cannot take. These cases check the
+//! indexes that make it so (the DDL helper's, and what the doctor and prepare say when a table
+//! lacks them); the benches measure the cost itself.
+
+use broker_core::{Backend, ClaimMode, DoctorOptions, Status, TableDescription};
+
+use crate::{Fixture, TestDb, describe, unique_name};
+
+/// The DDL helper's claim indexes: none that copies the primary key (a plain table without a due
+/// time claims in id order through the key), one that leads with the due time for a table with
+/// one, and one over unfinished rows for a table whose acks mark rows.
+pub async fn claim_indexes_follow_the_claim_order<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let claim_index = |t: &TableDescription| {
+        fx.broker
+            .ddl(t)
+            .into_iter()
+            .filter(|s| s.contains("_claim"))
+            .collect::<Vec<_>>()
+    };
+    let plain = TableDescription::builder(unique_name("plain"))
+        .locked_until("locked_until")
+        .build()
+        .unwrap();
+    assert!(
+        claim_index(&plain).is_empty(),
+        "{:?}",
+        fx.broker.ddl(&plain)
+    );
+    let scheduled = describe(&unique_name("scheduled"), ClaimMode::Lease)
+        .build()
+        .unwrap();
+    let index = claim_index(&scheduled);
+    assert_eq!(index.len(), 1, "{:?}", fx.broker.ddl(&scheduled));
+    let (due, id) = (index[0].find("due_at"), index[0].rfind("id"));
+    assert!(
+        due.is_some() && id.is_some() && due < id,
+        "the due time leads the id: {index:?}"
+    );
+    let marked = TableDescription::builder(unique_name("marked"))
+        .locked_until("locked_until")
+        .processed_at("processed_at")
+        .build()
+        .unwrap();
+    assert_eq!(
+        claim_index(&marked).len(),
+        1,
+        "{:?}",
+        fx.broker.ddl(&marked)
+    );
+    fx.cleanup().await;
+}
+
+/// The statements that replace the helper's claim index with one on the id alone, as the DDL
+/// helper made it before the claim led with the due time: the one place this case speaks each
+/// database's dialect.
+fn outdated_claim_index(database: &str, table: &str) -> Vec<String> {
+    match database {
+        "PostgreSQL" | "SQLite" => {
+            let index = format!("\"{table}_claim\"");
+            vec![
+                format!("DROP INDEX {index}"),
+                format!("CREATE INDEX {index} ON \"{table}\" (\"id\")"),
+            ]
+        }
+        _ => vec![format!(
+            "ALTER TABLE `{table}` DROP INDEX sqlx_broker_claim, ADD INDEX sqlx_broker_claim (`id`)"
+        )],
+    }
+}
+
+/// A table whose claim index is from before (on the id alone, under the helper's name) still
+/// prepares and claims, and the doctor names the index with the statements that replace it; run
+/// as given, they satisfy the doctor.
+pub async fn an_outdated_claim_index_is_named_with_the_statements_that_replace_it<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let options = DoctorOptions::new();
+    let indexes = |report: &broker_core::DoctorReport| {
+        report
+            .check("indexes")
+            .cloned()
+            .unwrap_or_else(|| panic!("the doctor checks indexes:\n{report}"))
+    };
+    let report = fx.broker.doctor(&fx.table, &options).await;
+    assert_eq!(indexes(&report).status, Status::Pass, "{report}");
+    let database = fx.broker.backend().capabilities().database;
+    for sql in outdated_claim_index(database, fx.table.name()) {
+        D::execute(&fx.broker, &sql).await;
+    }
+    let report = fx.broker.doctor(&fx.table, &options).await;
+    let check = indexes(&report);
+    assert_eq!(check.status, Status::Warn, "{report}");
+    assert!(
+        check.fix.contains("DROP INDEX") && check.fix.contains("due_at"),
+        "the fix replaces the index with one that leads with the due time: {report}"
+    );
+    // Only slow: the queue still prepares, and claims what is due.
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, 2).await;
+    let d = q.claim(1).await.unwrap().pop().expect("a due row");
+    assert!(ids.contains(&d.id()));
+    d.ack().await.unwrap();
+    for sql in check
+        .fix
+        .split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        D::execute(&fx.broker, sql).await;
+    }
+    let report = fx.broker.doctor(&fx.table, &options).await;
+    assert_eq!(indexes(&report).status, Status::Pass, "{report}");
+    fx.cleanup().await;
+}
