@@ -1,7 +1,9 @@
-//! Settlements across killed connections: a lease drain whose broker loses every server
-//! connection eight times must recover by itself, lose nothing, and run no handler twice,
-//! because a lease settlement that fails with a connection error runs again on a fresh
-//! connection while its lease holds.
+//! Settlements across killed connections and server restarts: a lease drain whose broker loses
+//! every server connection eight times, or whose server restarts, must recover by itself, lose
+//! nothing, and run no handler twice, because a lease settlement that fails with a connection
+//! error runs again on a fresh connection while its lease holds. Row lock's transactions die
+//! with the server, so its rows come back at once and the handlers a restart cut run again;
+//! nothing is lost there either.
 
 use std::time::{Duration, Instant};
 
@@ -84,5 +86,65 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
         reruns.is_empty(),
         "handlers ran twice for rows {reruns:?}: settlements cut by a kill were not run again in time"
     );
+    fx.cleanup().await;
+}
+
+/// Rows of the restart drain.
+const RESTART_ROWS: usize = 300;
+
+/// A drain (8 workers, handlers of 100 ms, slow deletes so acks are on the wire) across a real
+/// server restart that `restart` performs, returning once the server accepts connections again
+/// (it runs on a blocking thread). Every row runs and is gone; in lease mode (a 15 s lease, to
+/// outlast the restart) no handler runs twice. For one test binary of its own per database: it
+/// stops the server every other test uses.
+pub async fn drain_across_a_server_restart<D: TestDb>(mode: ClaimMode, restart: fn() -> Duration) {
+    let fx = Fixture::<D>::new(mode, |b| {
+        if mode == ClaimMode::Lease {
+            b.lease_seconds(15)
+        } else {
+            b
+        }
+    })
+    .await;
+    let database = fx.broker.backend().capabilities().database;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, RESTART_ROWS).await;
+    // Slow deletes (a trigger): most acks are on the wire when the server stops, so the restart
+    // cuts statements mid-flight, not only idle connections (a pool acquire waits out a down
+    // server by itself).
+    assert!(D::slow_down_deletes(&fx.broker, fx.table.name()).await);
+    let (sub, runs) = subscribe_counting::<D>(&q, Duration::from_millis(100));
+    let ran = |runs: &Runs| runs.lock().unwrap().len();
+    wait_until("a third of the drain", Duration::from_secs(60), || {
+        let runs = runs.clone();
+        async move { ran(&runs) >= RESTART_ROWS / 3 }
+    })
+    .await;
+    let in_work = q.metrics().in_work;
+    assert!(in_work > 0, "the restart must find handlers in work");
+    let down_for = tokio::task::spawn_blocking(restart).await.unwrap();
+    // Rows whose claim died with the server come back when their lease runs out (lease) or at
+    // once (row lock); the table says when every row is done.
+    wait_until_rows_gone::<D>(&q, &ids, Duration::from_secs(90)).await;
+    let report_ = sub.shutdown().await;
+    assert_eq!(report_.dropped, 0);
+    crate::assert_counters_add_up(&q);
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), RESTART_ROWS, "every row ran");
+    let reruns: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+    let m = q.metrics();
+    if mode == ClaimMode::Lease {
+        assert!(
+            reruns.is_empty(),
+            "lease handlers ran again after the restart although their acks could run again in time: {reruns:?} ({m:?})"
+        );
+    }
+    report(&format!(
+        "{database} server restart under a {mode} drain: {RESTART_ROWS} rows, {in_work} in work at the restart, server back after {:.1} s, {} handlers ran twice, {} claim errors, {} settlements failed, nothing lost",
+        down_for.as_secs_f64(),
+        reruns.len(),
+        m.claim_errors,
+        m.settle_failed,
+    ));
     fx.cleanup().await;
 }
