@@ -1,4 +1,4 @@
-//! Row lock and lease through PgBouncer in transaction mode (`SQLX_BROKER_PGBOUNCER_URL`,
+//! Every row lock and lease conformance case through PgBouncer in transaction mode (`SQLX_BROKER_PGBOUNCER_URL`,
 //! default `postgres://postgres@127.0.0.1:6432/test`; `.ci/run` installs and starts it, and the
 //! tests start it with `.ci/pgbouncer.sh` when nothing answers at the default). The backend finds
 //! the pooler at the first prepare: statements go unnamed, wake-ups poll, advisory tables are
@@ -103,43 +103,10 @@ impl broker_testkit::TestDb for PgBouncer {
     }
 }
 
-macro_rules! through_pgbouncer {
-    ($($case:ident),* $(,)?) => {
-        mod row_lock {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    broker_testkit::cases::$case::<PgBouncer>(ClaimMode::RowLock).await;
-                }
-            )*
-        }
-        mod lease {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    broker_testkit::cases::$case::<PgBouncer>(ClaimMode::Lease).await;
-                }
-            )*
-        }
-    };
-}
-
-through_pgbouncer!(
-    first_delivery_reads_attempt_one,
-    attempts_count_across_retries,
-    a_dropped_delivery_counts_as_its_mode_says,
-    ack_deletes_the_row,
-    ack_marks_processed_at,
-    retry_after_hides_the_row_until_due,
-    exhausted_rows_move_to_the_dead_letter_table,
-    two_subscriptions_never_hold_one_row,
-    fifo_groups_run_in_order_one_at_a_time,
-    higher_priority_runs_first,
-    shutdown_leaves_no_row_claimed_and_no_key_held,
-    a_handler_error_is_a_retry,
-);
+// Every row lock and lease case of the conformance suite, stress and killed workers included
+// (killed server connections are the direct suite's: see `kill_connections`).
+broker_testkit::conformance_suite!(@mode PgBouncer; row_lock; no);
+broker_testkit::conformance_suite!(@mode PgBouncer; lease; no);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_advisory_table_is_refused_with_the_pooler_message() {
