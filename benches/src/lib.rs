@@ -9,6 +9,10 @@
 //!   narrow it with the binary's flags in `SQLX_BROKER_BENCH_ARGS` (e.g. `"--db sqlite --mode
 //!   lease"`) or with criterion's name filter (`cargo bench -p benches -- postgres/lease`).
 //!
+//! - `cargo run -p benches --release --bin backlog -- --quick` measures the backlog shapes of
+//!   [`backlog`] (rows that cannot be claimed ahead of those that can) and how a claim's time
+//!   grows with the table, and writes `benches/results/backlog-quick.md` and `.svg`.
+//!
 //! PostgreSQL and MariaDB are found at `SQLX_BROKER_PG_URL` and `SQLX_BROKER_MYSQL_URL`
 //! (defaults: the local test servers); a selected database that cannot be reached fails the run
 //! with a message naming its URL. SQLite runs in a temporary file.
@@ -27,6 +31,7 @@
 //! | lease | yes | yes | yes |
 //! | advisory lock | yes | yes | yes |
 
+pub mod backlog;
 pub mod cli;
 pub mod drain;
 pub mod handwritten;
