@@ -130,6 +130,10 @@ pub struct Args {
     /// Workers of FIFO runs (default 4).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub fifo_workers: Option<u16>,
+    /// Extra worker counts of plain advisory tables at batch 1 (default 200; "none" for none;
+    /// given --workers and not this, none).
+    #[arg(long, value_parser = parse_groups)]
+    pub advisory_crowd: Option<FifoGroups>,
     /// Run FIFO tables only.
     #[arg(long)]
     pub no_plain: bool,
@@ -208,6 +212,10 @@ impl From<Args> for Options {
         }
         if let Some(w) = a.workers {
             filter.workers = w.into_iter().map(usize::from).collect();
+            filter.advisory_crowd.clear();
+        }
+        if let Some(FifoGroups(w)) = a.advisory_crowd {
+            filter.advisory_crowd = w;
         }
         if let Some(b) = a.batch {
             filter.batches = b.into_iter().map(usize::from).collect();

@@ -156,6 +156,9 @@ pub struct Filter {
     pub fifo_workers: usize,
     /// Batch size of FIFO runs.
     pub fifo_batch: usize,
+    /// Extra worker counts of plain advisory tables, at batch 1: advisory holds a connection
+    /// per delivery, so more workers than the pool has must not mean less throughput (#15).
+    pub advisory_crowd: Vec<usize>,
 }
 
 impl Default for Filter {
@@ -169,6 +172,7 @@ impl Default for Filter {
             fifo_groups: vec![1, 64],
             fifo_workers: 4,
             fifo_batch: 1,
+            advisory_crowd: vec![200],
         }
     }
 }
@@ -194,6 +198,19 @@ impl Filter {
                                 batch,
                                 fifo_groups: None,
                             });
+                        }
+                    }
+                    if mode == ClaimMode::Advisory {
+                        for &workers in &self.advisory_crowd {
+                            if !self.workers.contains(&workers) {
+                                out.push(Scenario {
+                                    db,
+                                    mode,
+                                    workers,
+                                    batch: 1,
+                                    fifo_groups: None,
+                                });
+                            }
                         }
                     }
                 }
@@ -231,9 +248,9 @@ mod tests {
     #[test]
     fn the_default_matrix_covers_every_mode_each_database_offers() {
         let all = Filter::default().scenarios();
-        // Plain: row lock 2 dbs x 3 workers x batch 1; lease and advisory 3 dbs x 3 x 2.
-        // FIFO: 8 (db, mode) pairs x 2 group counts.
-        assert_eq!(all.len(), 6 + 18 + 18 + 16);
+        // Plain: row lock 2 dbs x 3 workers x batch 1; lease and advisory 3 dbs x 3 x 2;
+        // advisory at 200 workers on 3 dbs. FIFO: 8 (db, mode) pairs x 2 group counts.
+        assert_eq!(all.len(), 6 + 18 + 18 + 3 + 16);
         assert!(
             !all.iter()
                 .any(|s| s.db == Db::Sqlite && s.mode == ClaimMode::RowLock)
