@@ -194,13 +194,28 @@ pub(crate) async fn transaction_pooled(pool: &PgPool) -> Result<bool, sqlx::Erro
     let options = pool.connect_options();
     let mut a = PgConnection::connect_with(&options).await?;
     let mut b = PgConnection::connect_with(&options).await?;
+    // Several rounds: one round can pass through a busy pooler by chance (a's session goes to
+    // another client and comes back to a just as b gets a third one), and a stress child that
+    // took a pooler for a direct connection failed on named statements. Directly, a's session
+    // never changes and b's is never a's; through a transaction-mode pooler every round is
+    // another chance to see either.
     let first = pid(&mut a).await?;
-    let other = pid(&mut b).await?;
-    let again = pid(&mut a).await?;
+    let mut pooled = false;
+    for _ in 0..POOLER_PROBE_ROUNDS {
+        let other = pid(&mut b).await?;
+        let again = pid(&mut a).await?;
+        if other == first || other == again || again != first {
+            pooled = true;
+            break;
+        }
+    }
     let _ = a.close().await;
     let _ = b.close().await;
-    Ok(first == other || first != again)
+    Ok(pooled)
 }
+
+/// Rounds of [`transaction_pooled`]'s probe (each two statements).
+const POOLER_PROBE_ROUNDS: usize = 6;
 
 /// What to say when a pooler breaks session state.
 pub(crate) const POOLER_HINT: &str = "two statements on one connection reached different server sessions, as behind a transaction-mode pooler (PgBouncer pool_mode = transaction); advisory locks and LISTEN live in the session, so connect directly or through a session-mode pooler (row lock and lease mode work through any pooler)";
