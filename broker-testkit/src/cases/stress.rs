@@ -212,6 +212,14 @@ impl ChildBroker {
         std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines() {
                 let Ok(line) = line else { break };
+                // Backtrace frames would push the panic's message out of the tail.
+                let t = line.trim_start();
+                if t.starts_with("at ")
+                    || t.split_once(": ")
+                        .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+                {
+                    continue;
+                }
                 let mut tail = tail.lock().unwrap();
                 if tail.len() == 40 {
                     tail.pop_front();
