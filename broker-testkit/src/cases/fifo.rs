@@ -144,3 +144,117 @@ pub async fn a_fifo_group_moves_on_past_processed_and_dead_rows<D: TestDb>(mode:
     assert_eq!(states, [(true, false), (false, true), (true, false)]);
     fx.cleanup().await;
 }
+
+/// Issue #13: a row the application inserts with its own SQL (not through `publish`) into a
+/// group whose head is in work waits for that head, then comes next, with no call into the
+/// library: whatever the claim needs must come from the table itself.
+pub async fn a_fifo_row_inserted_by_plain_sql_waits_for_its_head<D: TestDb>(mode: ClaimMode) {
+    use crate::JobText as _;
+    use broker_core::Backend as _;
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["g"]).await;
+    let head = claim_one::<D>(&q).await;
+    assert_eq!(head.id(), ids[0]);
+    let t = fx.table.name();
+    let sql = match fx.broker.backend().capabilities().database {
+        "PostgreSQL" | "SQLite" => {
+            format!("INSERT INTO \"{t}\" (\"payload\", \"grp\") VALUES ('by-hand', 'g')")
+        }
+        _ => format!("INSERT INTO `{t}` (`payload`, `grp`) VALUES ('by-hand', 'g')"),
+    };
+    D::execute(&fx.broker, &sql).await;
+    nothing_claimable::<D>(
+        &q,
+        "the row inserted by hand waits while its group's head is in work",
+    )
+    .await;
+    head.ack().await.unwrap();
+    let next = claim_one::<D>(&q).await;
+    assert_eq!(next.payload().text(), "by-hand");
+    assert!(next.id() > ids[0]);
+    next.ack().await.unwrap();
+    nothing_claimable::<D>(&q, "both rows are acked").await;
+    fx.cleanup().await;
+}
+
+/// Issue #13: one group that empties and fills again over and over while two brokers' claims
+/// run (each row, or pair of rows, is published only once the group is empty): its rows start
+/// in id order and never two at once.
+pub async fn a_fifo_group_that_empties_and_fills_again_keeps_its_order<D: TestDb>(mode: ClaimMode) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use broker_core::{Outcome, SubscribeOptions};
+
+    const ROUNDS: usize = 40;
+    let (mut fx, q, _) = fifo_rows::<D>(mode, |b| b, &[]).await;
+    let other = fx.other_queue().await;
+    let in_work = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let started: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let acked = Arc::new(AtomicUsize::new(0));
+    let subscribe = |queue: &Queue<D::B, D::Job>| {
+        let (in_work, overlaps, started, acked) = (
+            in_work.clone(),
+            overlaps.clone(),
+            started.clone(),
+            acked.clone(),
+        );
+        queue
+            .subscribe(
+                SubscribeOptions::new()
+                    .concurrency(4)
+                    .poll_interval(Duration::from_millis(50)),
+                move |job| {
+                    let (in_work, overlaps, started, acked) = (
+                        in_work.clone(),
+                        overlaps.clone(),
+                        started.clone(),
+                        acked.clone(),
+                    );
+                    async move {
+                        if in_work.fetch_add(1, Ordering::SeqCst) > 0 {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        started.lock().unwrap().push(job.id());
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        in_work.fetch_sub(1, Ordering::SeqCst);
+                        acked.fetch_add(1, Ordering::SeqCst);
+                        Outcome::Ack
+                    }
+                },
+            )
+            .expect("subscribe")
+    };
+    let subs = [subscribe(&q), subscribe(&other)];
+    let mut ids = Vec::new();
+    for round in 0..ROUNDS {
+        // Every third round the group fills with two rows at once.
+        let n = if round % 3 == 0 { 2 } else { 1 };
+        let jobs: Vec<_> = (0..n).map(|i| fx.job(round * 2 + i).group("g")).collect();
+        ids.extend(q.publish_batch(&jobs).await.expect("publish"));
+        let want = ids.len();
+        crate::wait_until(
+            &format!("round {round}'s rows acked"),
+            Duration::from_secs(20),
+            || {
+                let acked = acked.clone();
+                async move { acked.load(Ordering::SeqCst) >= want }
+            },
+        )
+        .await;
+    }
+    for s in subs {
+        s.shutdown().await;
+    }
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two rows of the group ran at once"
+    );
+    assert_eq!(
+        *started.lock().unwrap(),
+        ids,
+        "the group's rows started in id order, each once"
+    );
+    fx.cleanup().await;
+}
