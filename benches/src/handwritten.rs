@@ -351,18 +351,33 @@ pub async fn mysql(
                                 if locked != Some(1) {
                                     return Ok::<_, BoxError>(false);
                                 }
-                                let taken = sqlx::query(q(&take))
-                                    .bind(id)
-                                    .execute(&mut *conn)
-                                    .await?
-                                    .rows_affected()
-                                    == 1;
+                                let mut taken = false;
+                                for tries in 1.. {
+                                    match sqlx::query(q(&take)).bind(id).execute(&mut *conn).await {
+                                        Ok(done) => {
+                                            taken = done.rows_affected() == 1;
+                                            break;
+                                        }
+                                        Err(e) if tries < 5 && mysql_deadlock(&e) => continue,
+                                        Err(e) => return Err(e.into()),
+                                    }
+                                }
                                 if taken {
                                     let _row: (i32, String) = sqlx::query_as(q(&read))
                                         .bind(id)
                                         .fetch_one(&mut *conn)
                                         .await?;
-                                    sqlx::query(q(&delete)).bind(id).execute(&mut *conn).await?;
+                                    for tries in 1.. {
+                                        match sqlx::query(q(&delete))
+                                            .bind(id)
+                                            .execute(&mut *conn)
+                                            .await
+                                        {
+                                            Ok(_) => break,
+                                            Err(e) if tries < 5 && mysql_deadlock(&e) => continue,
+                                            Err(e) => return Err(e.into()),
+                                        }
+                                    }
                                 }
                                 let _: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
                                     .bind(&key)
@@ -388,6 +403,13 @@ pub async fn mysql(
         }
         other => Err(format!("no hand-written loop for {other:?}").into()),
     }
+}
+
+/// Whether InnoDB chose this statement as a deadlock's victim (1213): it rolled back, so an
+/// autocommit statement simply runs again, as any MySQL client loop must allow for.
+fn mysql_deadlock(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map(|m| m.number()) == Some(1213))
 }
 
 /// Drains `table` on SQLite with the hand-written loop of `scenario.mode` (row lock is not
