@@ -543,7 +543,7 @@ where
     Row: for<'r> FromRow<'r, <S::Db as Database>::Row>,
 {
     let candidates = s
-        .candidates(batch.saturating_mul(4).max(16), clock::now_ms())
+        .candidates(batch.saturating_mul(4).max(16), 0, clock::now_ms())
         .await?;
     let mut done = 0;
     for c in candidates {

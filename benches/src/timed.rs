@@ -291,9 +291,9 @@ impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {
     type Db = S::Db;
     type KeyLock = S::KeyLock;
 
-    async fn candidates(&self, limit: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
         let t = Instant::now();
-        let r = self.inner.candidates(limit, now_ms).await;
+        let r = self.inner.candidates(limit, skip, now_ms).await;
         let rows = r.as_ref().map_or(0, Vec::len);
         self.stats.record(Op::Candidates, t, rows);
         r

@@ -55,6 +55,10 @@ pub fn lock_name(database: &str, key: &str) -> String {
         .collect()
 }
 
+/// Candidate windows one read passes at most while every row in them is under a held key (see
+/// `MySqlAdvisory::candidates_on`).
+const CANDIDATE_WINDOWS: usize = 5;
+
 /// How many lock names one pre-filter statement probes (unused slots bind NULL), so the statement
 /// text never changes and stays prepared.
 const PROBES: usize = 16;
@@ -158,6 +162,8 @@ impl MySqlAdvisory {
         .append(&s.claimable)
         .push(&format!(" ORDER BY {} LIMIT ", s.order))
         .param(P::Limit)
+        .push(" OFFSET ")
+        .param(P::Skip)
         .stmt("candidates");
         let probe = format!(
             "SELECT {}",
@@ -236,15 +242,41 @@ impl MySqlAdvisory {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
 
+    /// Candidates after `skip`, with keys held elsewhere left out. The held keys are filtered
+    /// here, so the core cannot tell a window of held keys from the end of the table: when every
+    /// row of a full window was under a held key, this reads on past it, in growing windows (as
+    /// the core does for the other backends), up to `CANDIDATE_WINDOWS` reads.
     async fn candidates_on(
         &self,
         conn: &mut MySqlConnection,
-        limit: usize,
+        mut limit: usize,
+        mut skip: usize,
         now_ms: i64,
     ) -> Result<Vec<Candidate>> {
+        for _ in 0..CANDIDATE_WINDOWS {
+            let (out, read) = self.candidates_window(conn, limit, skip, now_ms).await?;
+            if !out.is_empty() || read < limit {
+                return Ok(out);
+            }
+            skip = skip.saturating_add(read);
+            limit = limit.saturating_mul(4);
+        }
+        Ok(Vec::new())
+    }
+
+    /// One window of candidates: those whose keys no other session holds, and how many rows
+    /// the window read.
+    async fn candidates_window(
+        &self,
+        conn: &mut MySqlConnection,
+        limit: usize,
+        skip: usize,
+        now_ms: i64,
+    ) -> Result<(Vec<Candidate>, usize)> {
         let args = Args {
             now_ms,
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            skip: i64::try_from(skip).unwrap_or(i64::MAX),
             ..Args::default()
         };
         let rows = self
@@ -293,8 +325,9 @@ impl MySqlAdvisory {
             }
         }
         let held: HashSet<String> = held.into_iter().map(str::to_owned).collect();
+        let read = out.len();
         out.retain(|c| !held.contains(&c.key));
-        Ok(out)
+        Ok((out, read))
     }
 
     async fn take_on(
@@ -373,9 +406,9 @@ impl AdvisoryStrategy for MySqlAdvisory {
     type Db = MySql;
     type KeyLock = KeyLock;
 
-    async fn candidates(&self, limit: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
         let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
-        let out = self.candidates_on(&mut conn, limit, now_ms).await;
+        let out = self.candidates_on(&mut conn, limit, skip, now_ms).await;
         conn.finish();
         out
     }

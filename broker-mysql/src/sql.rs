@@ -70,6 +70,8 @@ pub(crate) enum P {
     Id,
     /// A row count (`LIMIT`).
     Limit,
+    /// Rows to pass over first (`OFFSET`).
+    Skip,
     /// The new lease expiry (whole seconds).
     Expires,
     /// The time a settlement writes: `processed_at`, the dead-letter mark or the due time (unix
@@ -91,6 +93,7 @@ pub(crate) struct Args<'a> {
     pub(crate) now_ms: i64,
     pub(crate) id: i64,
     pub(crate) limit: i64,
+    pub(crate) skip: i64,
     pub(crate) expires_ms: i64,
     pub(crate) written_ms: Option<i64>,
     pub(crate) token: Option<LeaseToken>,
@@ -200,6 +203,7 @@ impl Stmt {
                 P::Now => q.bind(micros(a.now_ms)),
                 P::Id => q.bind(a.id),
                 P::Limit => q.bind(a.limit),
+                P::Skip => q.bind(a.skip),
                 P::Expires => q.bind(whole_seconds(a.expires_ms)),
                 P::Written => q.bind(a.written_ms.map(micros)),
                 P::TokenExpires => q.bind(a.token.map(|t| whole_seconds(t.expires_ms))),

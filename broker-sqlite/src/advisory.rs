@@ -35,7 +35,7 @@ impl SqliteAdvisory {
             .map(|c| format!("CAST({} AS TEXT)", ident(c)))
             .collect();
         let candidates = format!(
-            "SELECT {id}, {keys} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT ?2",
+            "SELECT {id}, {keys} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT ?2 OFFSET ?3",
             id = s.id,
             keys = key_columns.join(", "),
             t = s.table,
@@ -80,10 +80,11 @@ impl AdvisoryStrategy for SqliteAdvisory {
     type Db = Sqlite;
     type KeyLock = KeyLock;
 
-    async fn candidates(&self, limit: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
             .bind(now_ms)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(i64::try_from(skip).unwrap_or(i64::MAX))
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("candidates"))?;

@@ -232,10 +232,12 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
     /// (e.g. by closing its connection).
     type KeyLock: Send + 'static;
 
-    /// Due rows with their keys, best first, at most `limit`.
+    /// Due rows with their keys, best first, at most `limit`, after the first `skip` of them
+    /// (the claim reads on past a window whose keys were all held).
     fn candidates(
         &self,
         limit: usize,
+        skip: usize,
         now_ms: i64,
     ) -> impl Future<Output = Result<Vec<Candidate>>> + Send;
 

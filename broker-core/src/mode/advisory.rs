@@ -67,6 +67,11 @@ impl<B: Backend> Drop for KeyHold<B> {
     }
 }
 
+/// Candidate reads one claim makes at most while every row it read was under a held key: each
+/// window four times the last (16, 64, 256, 1,024, 4,096 rows for a claim of up to four), so a
+/// claim passes up to about 5,000 rows of held keys before it gives up until its next poll.
+const CANDIDATE_READS: usize = 5;
+
 /// Claims up to `limit` rows: a key lock and a take for each.
 pub(crate) async fn claim<B: Backend>(
     strategy: &Arc<B::Advisory>,
@@ -77,20 +82,30 @@ pub(crate) async fn claim<B: Backend>(
     let s = &**strategy;
     let broker = &shared.broker;
     let mut out = Vec::new();
-    let mut read = false;
+    // Ask for more candidates than slots: some keys will be held elsewhere, and the rest serve
+    // the next claims.
+    let mut window = limit.saturating_mul(4).max(16);
+    let mut reads = 0;
+    let mut skip = 0;
+    // Whether the last read filled its window (there may be more rows after it).
+    let mut full = false;
     while out.len() < limit {
         // Candidates left over by a recent read come first; the lock and the take check each
         // one again, so a stale one costs a statement, never a wrong claim.
         let c = match shared.candidates.pop() {
             Some(c) => c,
-            None if read => break,
+            // A read whose every row was passed over (its keys held) and that filled its window
+            // reads on past it, in growing windows: otherwise rows of one held key filling the
+            // window would keep every other key's rows waiting until they drained one by one.
+            None if reads > 0 && !(full && out.is_empty() && reads < CANDIDATE_READS) => break,
             None => {
-                read = true;
-                // Ask for more candidates than slots: some keys will be held elsewhere, and
-                // the rest serve the next claims.
-                let fresh = s
-                    .candidates(limit.saturating_mul(4).max(16), now_ms)
-                    .await?;
+                if reads > 0 {
+                    window = window.saturating_mul(4);
+                }
+                reads += 1;
+                let fresh = s.candidates(window, skip, now_ms).await?;
+                full = fresh.len() == window;
+                skip = skip.saturating_add(fresh.len());
                 shared.candidates.refill(fresh);
                 continue;
             }

@@ -112,3 +112,40 @@ pub async fn an_outdated_claim_index_is_named_with_the_statements_that_replace_i
     assert_eq!(indexes(&report).status, Status::Pass, "{report}");
     fx.cleanup().await;
 }
+
+/// Issue #13: rows of other keys are claimed while 200 rows of one held key come first in claim
+/// order. A claim that reads one window of candidates and skips held keys afterwards found only
+/// the held key's rows, and the other keys waited until those drained one at a time.
+pub async fn rows_of_other_keys_are_claimed_past_many_rows_of_a_held_key<D: TestDb>() {
+    use crate::{JobText as _, claim_within};
+    use std::time::Duration;
+
+    let fx = Fixture::<D>::new(ClaimMode::Advisory, |b| b).await;
+    let q = fx.queue().await;
+    let key = |k: &str, i: usize| {
+        broker_core::NewJob::new(D::Text::from(format!("{k}-{i}"))).column("k", k.to_owned())
+    };
+    let mut jobs: Vec<_> = (0..200).map(|i| key("hot", i)).collect();
+    jobs.extend(["a", "b", "c"].iter().map(|k| key(k, 0)));
+    q.publish_batch(&jobs).await.unwrap();
+    let hot = claim_within(&q, Duration::from_secs(10), "the hot key's first row").await;
+    assert_eq!(hot.payload().text(), "hot-0");
+    let mut others = Vec::new();
+    for _ in 0..3 {
+        let d = claim_within(
+            &q,
+            Duration::from_secs(10),
+            "a row of another key while key-hot is held",
+        )
+        .await;
+        others.push(d);
+    }
+    let mut texts: Vec<&str> = others.iter().map(|d| d.payload().text()).collect();
+    texts.sort_unstable();
+    assert_eq!(texts, ["a-0", "b-0", "c-0"]);
+    for d in others {
+        d.ack().await.unwrap();
+    }
+    hot.ack().await.unwrap();
+    fx.cleanup().await;
+}
