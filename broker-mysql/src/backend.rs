@@ -490,14 +490,7 @@ impl MySqlBackend {
         };
         schema::check_table(conn, table, utc != 0).await?;
         let group_index = schema::group_index(conn, table).await?;
-        match schema::index_advice(conn, table).await {
-            Ok(advice) => broker_core::driver::indexes::warn(table.name(), &advice),
-            Err(e) => tracing::warn!(
-                table = table.name(),
-                error = %e,
-                "cannot list the table's indexes; check them with the doctor"
-            ),
-        }
+        broker_core::driver::indexes::warn(table.name(), schema::index_advice(conn, table).await);
         let group_index = group_index.as_deref();
         let prepared = match table.mode() {
             ClaimMode::RowLock => {

@@ -330,14 +330,10 @@ impl Backend for PgBackend {
             }
         };
         // Only after the table check: a missing table has no indexes to advise on.
-        match schema::index_advice(&mut conn, table, prepared).await {
-            Ok(advice) => broker_core::driver::indexes::warn(table.name(), &advice),
-            Err(e) => tracing::warn!(
-                table = table.name(),
-                error = %e,
-                "cannot list the table's indexes; check them with the doctor"
-            ),
-        }
+        broker_core::driver::indexes::warn(
+            table.name(),
+            schema::index_advice(&mut conn, table, prepared).await,
+        );
         Ok(strategy)
     }
 

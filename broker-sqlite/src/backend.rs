@@ -161,14 +161,10 @@ impl Backend for SqliteBackend {
                 ));
             }
         };
-        match schema::index_advice(&mut conn, table).await {
-            Ok(advice) => broker_core::driver::indexes::warn(table.name(), &advice),
-            Err(e) => tracing::warn!(
-                table = table.name(),
-                error = %e,
-                "cannot list the table's indexes; check them with the doctor"
-            ),
-        }
+        broker_core::driver::indexes::warn(
+            table.name(),
+            schema::index_advice(&mut conn, table).await,
+        );
         Ok(strategy)
     }
 

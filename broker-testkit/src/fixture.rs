@@ -103,6 +103,23 @@ pub trait TestDb: Send + Sync + 'static {
     /// row behind the broker's back); returns the rows it changed.
     fn execute(broker: &Broker<Self::B>, sql: &str) -> impl Future<Output = u64> + Send;
 
+    /// `name` quoted as an identifier in the backend's dialect, for the SQL a case writes
+    /// itself: in double quotes unless the backend says otherwise.
+    fn quote(name: &str) -> String {
+        format!("\"{}\"", name.replace('"', "\"\""))
+    }
+
+    /// The statements that replace the DDL helper's claim index of `table` with one on the id
+    /// alone under the same name, as the helper made it before the claim led with the due
+    /// time. The default is PostgreSQL's and SQLite's (`{table}_claim`, DROP then CREATE).
+    fn outdated_claim_index(table: &str) -> Vec<String> {
+        let index = Self::quote(&format!("{table}_claim"));
+        vec![
+            format!("DROP INDEX {index}"),
+            format!("CREATE INDEX {index} ON {} (\"id\")", Self::quote(table)),
+        ]
+    }
+
     /// Whether the backend offers `mode` (asked of a broker of its own).
     fn offers(mode: ClaimMode) -> impl Future<Output = bool> + Send {
         async move {

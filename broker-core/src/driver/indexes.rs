@@ -18,8 +18,20 @@ pub struct IndexAdvice {
     pub fix: Vec<String>,
 }
 
-/// Logs one warning per piece of advice, naming the statements to run.
-pub fn warn(table: &str, advice: &[IndexAdvice]) {
+/// Logs one warning per piece of advice, naming the statements to run, or one saying the
+/// indexes could not be listed.
+pub fn warn<E: std::fmt::Display>(table: &str, advice: Result<Vec<IndexAdvice>, E>) {
+    let advice = match advice {
+        Ok(advice) => advice,
+        Err(e) => {
+            tracing::warn!(
+                table,
+                error = %e,
+                "cannot list the table's indexes; check them with the doctor"
+            );
+            return;
+        }
+    };
     for a in advice {
         tracing::warn!(
             table,

@@ -326,6 +326,17 @@ impl broker_testkit::TestDb for MySql {
         Some(kill_connections(broker).await)
     }
 
+    fn quote(name: &str) -> String {
+        format!("`{}`", name.replace('`', "``"))
+    }
+
+    fn outdated_claim_index(table: &str) -> Vec<String> {
+        vec![format!(
+            "ALTER TABLE {} DROP INDEX sqlx_broker_claim, ADD INDEX sqlx_broker_claim (`id`)",
+            Self::quote(table)
+        )]
+    }
+
     async fn execute(broker: &MySqlBroker, sql: &str) -> u64 {
         sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
             .execute(broker.pool())

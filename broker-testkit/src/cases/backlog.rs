@@ -2,7 +2,7 @@
 //! indexes that make it so (the DDL helper's, and what the doctor and prepare say when a table
 //! lacks them); the benches measure the cost itself.
 
-use broker_core::{Backend, ClaimMode, DoctorOptions, Status, TableDescription};
+use broker_core::{ClaimMode, DoctorOptions, Status, TableDescription};
 
 use crate::{Fixture, TestDb, describe, unique_name};
 
@@ -51,24 +51,6 @@ pub async fn claim_indexes_follow_the_claim_order<D: TestDb>() {
     fx.cleanup().await;
 }
 
-/// The statements that replace the helper's claim index with one on the id alone, as the DDL
-/// helper made it before the claim led with the due time: the one place this case speaks each
-/// database's dialect.
-fn outdated_claim_index(database: &str, table: &str) -> Vec<String> {
-    match database {
-        "PostgreSQL" | "SQLite" => {
-            let index = format!("\"{table}_claim\"");
-            vec![
-                format!("DROP INDEX {index}"),
-                format!("CREATE INDEX {index} ON \"{table}\" (\"id\")"),
-            ]
-        }
-        _ => vec![format!(
-            "ALTER TABLE `{table}` DROP INDEX sqlx_broker_claim, ADD INDEX sqlx_broker_claim (`id`)"
-        )],
-    }
-}
-
 /// A table whose claim index is from before (on the id alone, under the helper's name) still
 /// prepares and claims, and the doctor names the index with the statements that replace it; run
 /// as given, they satisfy the doctor.
@@ -83,8 +65,7 @@ pub async fn an_outdated_claim_index_is_named_with_the_statements_that_replace_i
     };
     let report = fx.broker.doctor(&fx.table, &options).await;
     assert_eq!(indexes(&report).status, Status::Pass, "{report}");
-    let database = fx.broker.backend().capabilities().database;
-    for sql in outdated_claim_index(database, fx.table.name()) {
+    for sql in D::outdated_claim_index(fx.table.name()) {
         D::execute(&fx.broker, &sql).await;
     }
     let report = fx.broker.doctor(&fx.table, &options).await;

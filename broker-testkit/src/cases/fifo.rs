@@ -150,17 +150,15 @@ pub async fn a_fifo_group_moves_on_past_processed_and_dead_rows<D: TestDb>(mode:
 /// library: whatever the claim needs must come from the table itself.
 pub async fn a_fifo_row_inserted_by_plain_sql_waits_for_its_head<D: TestDb>(mode: ClaimMode) {
     use crate::JobText as _;
-    use broker_core::Backend as _;
     let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["g"]).await;
     let head = claim_one::<D>(&q).await;
     assert_eq!(head.id(), ids[0]);
-    let t = fx.table.name();
-    let sql = match fx.broker.backend().capabilities().database {
-        "PostgreSQL" | "SQLite" => {
-            format!("INSERT INTO \"{t}\" (\"payload\", \"grp\") VALUES ('by-hand', 'g')")
-        }
-        _ => format!("INSERT INTO `{t}` (`payload`, `grp`) VALUES ('by-hand', 'g')"),
-    };
+    let sql = format!(
+        "INSERT INTO {} ({}, {}) VALUES ('by-hand', 'g')",
+        D::quote(fx.table.name()),
+        D::quote("payload"),
+        D::quote("grp")
+    );
     D::execute(&fx.broker, &sql).await;
     nothing_claimable::<D>(
         &q,
