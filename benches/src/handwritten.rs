@@ -257,7 +257,10 @@ pub async fn mysql(
             let select = sql(format!(
                 "SELECT id, attempt, payload FROM {t} \
                  WHERE (locked_until IS NULL OR locked_until < UTC_TIMESTAMP(6)) AND {due} \
-                 ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+                 ORDER BY id LIMIT {n} FOR UPDATE SKIP LOCKED",
+                // In the text, not bound: with `LIMIT ?` MariaDB plans the read without the
+                // limit, sorts every due row and locks them all (13 ms a claim at 3,000 rows).
+                n = limit(batch)
             ));
             let delete = sql(format!("DELETE FROM {t} WHERE id = ? AND attempt = ?"));
             run_loop(scenario, limits, move |sh: Arc<LoopShared>| {
@@ -273,23 +276,24 @@ pub async fn mysql(
                         tokio::pin!(idle);
                         idle.as_mut().enable();
                         let mut tx = conn.begin().await?;
-                        let rows: Vec<(i64, i32, String)> = sqlx::query_as(q(&select))
-                            .bind(limit(batch))
-                            .fetch_all(&mut *tx)
-                            .await?;
+                        let rows: Vec<(i64, i32, String)> =
+                            sqlx::query_as(q(&select)).fetch_all(&mut *tx).await?;
                         if rows.is_empty() {
                             tx.rollback().await?;
                             sh.idle(idle).await;
                             continue;
                         }
-                        let ids: Vec<String> = rows.iter().map(|r| r.0.to_string()).collect();
-                        sqlx::query(AssertSqlSafe(format!(
+                        // One text per row count (at most the batch size), so each is prepared
+                        // once and then served from the connection's statement cache.
+                        let marks = vec!["?"; rows.len()].join(",");
+                        let mut update = sqlx::query(AssertSqlSafe(format!(
                             "UPDATE {t} SET locked_until = UTC_TIMESTAMP(6) + INTERVAL {LEASE_SECONDS} SECOND, \
-                             attempt = attempt + 1 WHERE id IN ({})",
-                            ids.join(",")
-                        )))
-                        .execute(&mut *tx)
-                        .await?;
+                             attempt = attempt + 1 WHERE id IN ({marks})"
+                        )));
+                        for r in &rows {
+                            update = update.bind(r.0);
+                        }
+                        update.execute(&mut *tx).await?;
                         tx.commit().await?;
                         for (id, attempt, _payload) in rows {
                             let done = sqlx::query(q(&delete))
