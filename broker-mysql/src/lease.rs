@@ -1,7 +1,8 @@
 //! Lease mode on MySQL and MariaDB. Neither server has `UPDATE .. RETURNING`, so a claim is a
-//! locking read (`FOR UPDATE SKIP LOCKED`) of the due rows, then one `UPDATE .. WHERE id IN (..)`
+//! locking read (`FOR UPDATE SKIP LOCKED`) of due rows, then one `UPDATE .. WHERE id IN (..)`
 //! that writes the expiry and counts the attempt, in one READ COMMITTED transaction committed at
-//! once. The rows come back as the locking read saw them, so their attempt is the one before the
+//! once. The locking read takes its rows among the ids of a window read just before, without
+//! locks, outside the transaction (see [`crate::window`]). The rows come back as the locking read saw them, so their attempt is the one before the
 //! claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
 //!
@@ -22,6 +23,7 @@ use crate::sql::{
     Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying, settle_retrying,
     whole_seconds,
 };
+use crate::window::{Candidates, PAGES, Window};
 
 /// The lease strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -29,7 +31,9 @@ pub struct MySqlLease {
     pool: MySqlPool,
     table: Arc<TableDescription>,
     begin: Arc<str>,
-    select: Stmt,
+    /// The claim: a window of ids read without locks, rows among them locked through the
+    /// primary key (see [`crate::window`]).
+    window: Window,
     /// The claim's update up to `IN (`; the ids' placeholders follow.
     update_head: String,
     /// The update with one id, for the startup check.
@@ -51,17 +55,6 @@ impl MySqlLease {
             s.table,
             ident(table.locked_until().expect("lease mode has locked_until"))
         );
-        // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
-        let select = Sql::new(format!(
-            "SELECT {} FROM {} WHERE ",
-            s.select_list(false),
-            s.table
-        ))
-        .append(&s.claimable)
-        .push(&format!(" ORDER BY {} LIMIT ", s.order))
-        .param(P::Limit)
-        .push(" FOR UPDATE SKIP LOCKED")
-        .stmt("claim");
         let update = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
             .time_s(P::Expires)
             .push(&format!(
@@ -85,7 +78,7 @@ impl MySqlLease {
         Self {
             pool,
             begin: begin_sql(&table),
-            select,
+            window: Window::new(&table, &s),
             update_head,
             update_one,
             guard: fifo::guard(&table, group_index),
@@ -98,7 +91,8 @@ impl MySqlLease {
     /// Every statement the strategy runs, by name, so prepare can check each one against the
     /// table.
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
-        let mut out = vec![&self.select, &self.update_one, &self.renew];
+        let mut out = vec![&self.update_one, &self.renew];
+        out.extend(self.window.statements());
         out.extend(&self.guard);
         out.extend(self.settle.named());
         out.into_iter().map(Stmt::named).collect()
@@ -115,14 +109,36 @@ impl MySqlLease {
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
         let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
-        let out = self.claim_on(&mut conn, limit, now_ms, expires_ms).await;
+        let mut skip = 0;
+        for _ in 0..PAGES {
+            // An error leaves `conn` armed: it is closed, not given back with the window's
+            // setting possibly pending.
+            let window = self
+                .window
+                .read(&mut conn, now_ms, skip)
+                .await
+                .map_err(self.err("claim window"))?;
+            if window.is_empty() {
+                break;
+            }
+            let out = self
+                .claim_on(&mut conn, &window, limit, now_ms, expires_ms)
+                .await;
+            if matches!(&out, Ok(rows) if rows.is_empty() && window.more()) {
+                skip = window.next_skip(skip);
+                continue;
+            }
+            conn.finish();
+            return out;
+        }
         conn.finish();
-        out
+        Ok(Vec::new())
     }
 
     async fn claim_on(
         &self,
         conn: &mut MySqlConnection,
+        window: &Candidates,
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
@@ -132,17 +148,12 @@ impl MySqlLease {
             .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
             .await
             .map_err(self.err("begin"))?;
-        let args = Args {
-            now_ms,
-            limit: i64::try_from(limit).unwrap_or(i64::MAX),
-            ..Args::default()
-        };
         let rows = self
-            .select
-            .bind(&args)
+            .window
+            .take(window.run(), limit, now_ms)
             .fetch_all(&mut *tx)
             .await
-            .map_err(self.err("claim"))?;
+            .map_err(self.err("claim take"))?;
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             let row = claimed(&self.table, row, None)?;

@@ -2,7 +2,8 @@
 //! `FOR UPDATE SKIP LOCKED` and stays open while the handler runs; the settlement runs in it and
 //! commits.
 //!
-//! The hot path is begin, the claim's select, the settlement's statement and commit. Only when
+//! The hot path is the claim window's read (outside the transaction, see [`crate::window`]),
+//! begin, the take, the settlement's statement and commit. Only when
 //! the handler first asks for the delivery's transaction does it set a savepoint: a retry or dead
 //! letter rolls back to it — undoing what the handler wrote, while InnoDB keeps the claimed row
 //! locked — then counts the attempt and commits. Every settlement releases the savepoint before
@@ -13,17 +14,16 @@ use std::sync::Arc;
 
 use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
-use sqlx::{MySql, MySqlPool, Transaction};
+use sqlx::mysql::MySqlRow;
+use sqlx::{MySql, MySqlPool, SqlSafeStr, Transaction};
 
-use crate::backend::claimed;
+use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, P, RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt,
-    WRITES_SAVEPOINT, begin_sql, execute_plain, retrying,
+    RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
+    begin_sql, execute_plain, retrying,
 };
-
-/// How many group heads a FIFO claim reads to find one it can lock.
-const FIFO_CANDIDATES: usize = 8;
+use crate::window::{PAGES, Window};
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -31,10 +31,9 @@ pub struct MySqlRowLock {
     pool: MySqlPool,
     table: Arc<TableDescription>,
     begin: Arc<str>,
-    claim: Stmt,
-    /// FIFO tables: the candidates (group heads in claim order, read without locks) and the
-    /// take that locks one of them by id (see [`MySqlRowLock::claim_once`]).
-    fifo: Option<(Stmt, Stmt)>,
+    /// The claim: a window of ids read without locks, one of them locked through the primary
+    /// key (see [`crate::window`]).
+    window: Window,
     guard: Option<Stmt>,
     settle: SettleStatements,
 }
@@ -46,45 +45,11 @@ impl MySqlRowLock {
         group_index: Option<&str>,
     ) -> Self {
         let s = Statements::new(&table);
-        // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
-        let claim = Sql::new(format!(
-            "SELECT {} FROM {} WHERE ",
-            s.select_list(false),
-            s.table
-        ))
-        .append(&s.claimable)
-        .push(&format!(
-            " ORDER BY {} LIMIT 1 FOR UPDATE SKIP LOCKED",
-            s.order
-        ))
-        .stmt("claim");
-        let fifo = fifo::guard(&table, group_index).is_some().then(|| {
-            let candidates = Sql::new(format!(
-                "SELECT CAST({} AS SIGNED) FROM {} WHERE ",
-                s.id, s.table
-            ))
-            .append(&s.claimable)
-            .push(&format!(" ORDER BY {} LIMIT {FIFO_CANDIDATES}", s.order))
-            .stmt("fifo candidates");
-            let take = Sql::new(format!(
-                "SELECT {} FROM {} WHERE {} = ",
-                s.select_list(false),
-                s.table,
-                s.id
-            ))
-            .param(P::Id)
-            .push(" AND ")
-            .append(&s.claimable)
-            .push(" FOR UPDATE SKIP LOCKED")
-            .stmt("fifo take");
-            (candidates, take)
-        });
         let settle = s.settle(&table, &Sql::default(), true);
         Self {
             pool,
             begin: begin_sql(&table),
-            claim,
-            fifo,
+            window: Window::new(&table, &s),
             guard: fifo::guard(&table, group_index),
             settle,
             table,
@@ -94,11 +59,7 @@ impl MySqlRowLock {
     /// Every statement the strategy runs, by name, so prepare can check each one against the
     /// table.
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
-        let mut out = vec![&self.claim];
-        if let Some((candidates, take)) = &self.fifo {
-            out.push(candidates);
-            out.push(take);
-        }
+        let mut out = self.window.statements().to_vec();
         out.extend(&self.guard);
         out.extend(self.settle.named());
         out.into_iter().map(Stmt::named).collect()
@@ -108,59 +69,58 @@ impl MySqlRowLock {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
 
+    /// Reads windows of candidates until one row is locked, none is left, or [`PAGES`] windows
+    /// held only rows in work. Each window is read outside the transaction (see
+    /// [`crate::window`]), so a window that gave nothing ends its transaction before the next.
     async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
         let name = self.table.name();
-        let mut tx = self
-            .pool
-            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
+        let mut skip = 0;
+        for _ in 0..PAGES {
+            let mut conn = Conn::acquire(&self.pool, name).await?;
+            // An error leaves `conn` armed: it is closed, not given back with the window's
+            // setting possibly pending.
+            let window = self
+                .window
+                .read(&mut conn, now_ms, skip)
+                .await
+                .map_err(self.err("claim window"))?;
+            if window.is_empty() {
+                conn.finish();
+                return Ok(None);
+            }
+            let mut tx = Transaction::begin(
+                conn.into_inner(),
+                Some(sqlx::AssertSqlSafe(self.begin.clone()).into_sql_str()),
+            )
             .await
             .map_err(self.err("begin"))?;
-        let args = Args {
-            now_ms,
-            ..Args::default()
-        };
-        let row = match &self.fifo {
-            None => self
-                .claim
-                .bind(&args)
+            let taken = self
+                .window
+                .take(window.run(), 1, now_ms)
                 .fetch_optional(&mut *tx)
                 .await
-                .map_err(self.err("claim"))?,
-            Some((candidates, take)) => {
-                // A locking read keeps every row it reads through a secondary index and then
-                // rejects in its WHERE locked until the transaction ends (seen on MariaDB 10.11:
-                // a claim that passed a group's second row on the way to another group's head
-                // kept it locked, so the group could not move on while that delivery ran). The
-                // head condition is such a check, so the candidates are read without locks and
-                // one is locked by its id, the condition checked again under the lock.
-                let ids: Vec<i64> = candidates
-                    .bind(&args)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(self.err("fifo candidates"))?
-                    .iter()
-                    .map(|r| sqlx::Row::try_get(r, 0))
-                    .collect::<Result<_, _>>()
-                    .map_err(self.err("fifo candidates"))?;
-                let mut taken = None;
-                for id in ids {
-                    let args = Args { id, ..args };
-                    taken = take
-                        .bind(&args)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(self.err("fifo take"))?;
-                    if taken.is_some() {
-                        break;
+                .map_err(self.err("claim take"))?;
+            match taken {
+                Some(row) => return self.hold(tx, row).await,
+                None => {
+                    tx.rollback().await.map_err(self.err("rollback"))?;
+                    if !window.more() {
+                        return Ok(None);
                     }
+                    skip = window.next_skip(skip);
                 }
-                taken
             }
-        };
-        let Some(row) = row else {
-            tx.rollback().await.map_err(self.err("rollback"))?;
-            return Ok(None);
-        };
+        }
+        Ok(None)
+    }
+
+    /// Checks a locked row's group (FIFO) and hands the delivery out.
+    async fn hold(
+        &self,
+        mut tx: Transaction<'static, MySql>,
+        row: MySqlRow,
+    ) -> Result<Option<RowLockClaim<MySql>>> {
+        let name = self.table.name();
         let row = claimed(&self.table, row, None)?;
         if let Some(guard) = &self.guard
             && fifo::check(&mut tx, guard, name, &row.row, row.id).await? == Guard::Behind

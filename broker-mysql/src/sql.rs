@@ -85,6 +85,8 @@ pub(crate) enum P {
     Group,
     /// The attempt column's value the settling delivery holds.
     HeldAttempt,
+    /// The n-th id of a claim window's run (the last one again past its end).
+    Candidate(usize),
 }
 
 /// The values a statement's parameters take.
@@ -99,6 +101,8 @@ pub(crate) struct Args<'a> {
     pub(crate) token: Option<LeaseToken>,
     pub(crate) group: Option<&'a str>,
     pub(crate) held_attempt: i64,
+    /// The ids a claim window's take locks from (see [`crate::window`]).
+    pub(crate) candidates: &'a [i64],
 }
 
 /// SQL text with its parameters in order, built up from fragments.
@@ -106,6 +110,8 @@ pub(crate) struct Args<'a> {
 pub(crate) struct Sql {
     text: String,
     params: Vec<P>,
+    /// Where each parameter's `?` sits in `text` (byte offsets), for [`Stmt::inline`].
+    at: Vec<usize>,
 }
 
 impl Sql {
@@ -113,6 +119,7 @@ impl Sql {
         Self {
             text: text.into(),
             params: Vec::new(),
+            at: Vec::new(),
         }
     }
 
@@ -124,6 +131,7 @@ impl Sql {
 
     /// Appends a plain `?`.
     pub(crate) fn param(mut self, p: P) -> Self {
+        self.at.push(self.text.len());
         self.text.push('?');
         self.params.push(p);
         self
@@ -131,22 +139,24 @@ impl Sql {
 
     /// Appends a time given in unix milliseconds, as DATETIME(6).
     pub(crate) fn time_ms(mut self, p: P) -> Self {
-        self.text
-            .push_str(&format!("TIMESTAMPADD(MICROSECOND, ?, {EPOCH6})"));
-        self.params.push(p);
+        self.text.push_str("TIMESTAMPADD(MICROSECOND, ");
+        self = self.param(p);
+        self.text.push_str(&format!(", {EPOCH6})"));
         self
     }
 
     /// Appends a time given in whole seconds, as DATETIME.
     pub(crate) fn time_s(mut self, p: P) -> Self {
-        self.text
-            .push_str(&format!("TIMESTAMPADD(SECOND, ?, {EPOCH0})"));
-        self.params.push(p);
+        self.text.push_str("TIMESTAMPADD(SECOND, ");
+        self = self.param(p);
+        self.text.push_str(&format!(", {EPOCH0})"));
         self
     }
 
     /// Appends another fragment with its parameters.
     pub(crate) fn append(mut self, other: &Sql) -> Self {
+        let base = self.text.len();
+        self.at.extend(other.at.iter().map(|a| a + base));
         self.text.push_str(&other.text);
         self.params.extend_from_slice(&other.params);
         self
@@ -173,6 +183,7 @@ impl Sql {
             name,
             sql: self.text.into(),
             params: self.params.into(),
+            at: self.at.into(),
         }
     }
 }
@@ -183,6 +194,7 @@ pub(crate) struct Stmt {
     pub(crate) name: &'static str,
     sql: Arc<str>,
     params: Arc<[P]>,
+    at: Arc<[usize]>,
 }
 
 impl Stmt {
@@ -193,6 +205,28 @@ impl Stmt {
     /// The statement's name and text, as every backend's `statements()` lists them.
     pub(crate) fn named(&self) -> (&'static str, &str) {
         (self.name, &self.sql)
+    }
+
+    /// The statement's text with its parameters written in as integer literals, for a
+    /// statement that must go over the text protocol in one round trip with others (the
+    /// claim window's read, see [`crate::window`]). Only integers the broker computes itself
+    /// (times, counts) may be written in; any other parameter is a bug.
+    pub(crate) fn inline(&self, a: &Args<'_>) -> String {
+        let mut out = String::with_capacity(self.sql.len() + 16 * self.at.len());
+        let mut from = 0;
+        for (p, &at) in self.params.iter().zip(self.at.iter()) {
+            out.push_str(&self.sql[from..at]);
+            let value = match p {
+                P::Now => micros(a.now_ms),
+                P::Limit => a.limit,
+                P::Skip => a.skip,
+                other => unreachable!("{other:?} is never written into a statement's text"),
+            };
+            out.push_str(&value.to_string());
+            from = at + 1;
+        }
+        out.push_str(&self.sql[from..]);
+        out
     }
 
     /// The statement with `args` bound in parameter order.
@@ -210,6 +244,13 @@ impl Stmt {
                 P::TokenAttempt => q.bind(a.token.map(|t| t.attempt)),
                 P::Group => q.bind(a.group),
                 P::HeldAttempt => q.bind(a.held_attempt),
+                P::Candidate(i) => q.bind(
+                    a.candidates
+                        .get(*i)
+                        .or(a.candidates.last())
+                        .copied()
+                        .unwrap_or(0),
+                ),
             };
         }
         q

@@ -11,7 +11,7 @@ use broker_core::{Broker, ClaimMode, ColumnType, NewJob, SqlxBrokerError, TableD
 use broker_mysql::{MySqlBackend, lock_name};
 use broker_testkit::{Fixture, Job, JobText, claim_one, describe, unique_name, wait_until};
 use common::MySql;
-use sqlx::{AssertSqlSafe, Executor};
+use sqlx::{AssertSqlSafe, Connection, Executor};
 
 type Fx = Fixture<MySql>;
 
@@ -464,4 +464,76 @@ async fn a_key_lock_dropped_without_unlock_closes_its_connection_and_frees_the_k
     assert_eq!(alive, 1, "an unlocked key's connection is kept");
     let _ = sqlx::Connection::close(admin).await;
     fx.cleanup().await;
+}
+
+/// Rows locked by another transaction, as deliveries in work under row lock hold them: a claim
+/// window (32 ids, read without locks) sees them as candidates, so a claim must read on.
+async fn a_claim_reads_on_past_windows_of_locked_rows(mode: ClaimMode) {
+    let fx = fixture(mode, |b| b).await;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, 80).await;
+    let mut holder = sqlx::MySqlConnection::connect(&fx.url).await.unwrap();
+    holder
+        .execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+        .await
+        .unwrap();
+    let locked: Vec<(i64,)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id FROM `{}` ORDER BY id LIMIT 70 FOR UPDATE",
+        fx.table.name()
+    )))
+    .fetch_all(&mut holder)
+    .await
+    .unwrap();
+    assert_eq!(locked.len(), 70);
+    let got = q.claim(1).await.unwrap();
+    assert_eq!(
+        got.iter().map(|d| d.id()).collect::<Vec<_>>(),
+        vec![ids[70]],
+        "{mode:?}: the first row nobody holds, past two full windows of held rows"
+    );
+    for d in got {
+        d.ack().await.unwrap();
+    }
+    holder.execute("ROLLBACK").await.unwrap();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_row_lock_claim_reads_on_past_windows_of_locked_rows() {
+    a_claim_reads_on_past_windows_of_locked_rows(ClaimMode::RowLock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_claim_reads_on_past_windows_of_locked_rows() {
+    a_claim_reads_on_past_windows_of_locked_rows(ClaimMode::Lease).await;
+}
+
+/// The claim window's take locks in id order, so it may only take from a run of rising ids:
+/// with priorities that rise with the id, every claim must still take the highest priority.
+async fn claims_keep_priority_order_when_ids_fall(mode: ClaimMode) {
+    let fx = fixture(mode, |b| b.priority("prio").processed_at("done_at")).await;
+    let q = fx.queue().await;
+    let jobs: Vec<_> = (0..12)
+        .map(|i| fx.job(i).priority(i64::try_from(i).unwrap()))
+        .collect();
+    let ids = q.publish_batch(&jobs).await.unwrap();
+    let mut order = Vec::new();
+    for _ in 0..12 {
+        let d = claim_one(&q).await;
+        order.push(d.id());
+        d.ack().await.unwrap();
+    }
+    let expected: Vec<i64> = ids.iter().rev().copied().collect();
+    assert_eq!(order, expected, "{mode:?}: highest priority first");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn row_lock_claims_keep_priority_order_when_ids_fall() {
+    claims_keep_priority_order_when_ids_fall(ClaimMode::RowLock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_claims_keep_priority_order_when_ids_fall() {
+    claims_keep_priority_order_when_ids_fall(ClaimMode::Lease).await;
 }
