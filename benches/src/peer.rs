@@ -114,6 +114,10 @@ pub async fn run(
             .max_connections(16)
             .connect_with((*broker.pool().connect_options()).clone())
             .await?;
+        // Closed explicitly after the run: the peer keeps clones of its pool after shutdown, and
+        // a full run (three repetitions of every scenario) otherwise left 16 idle sessions per
+        // peer run open until PostgreSQL's connection limit refused new ones.
+        let peer_pool = pool.clone();
         let peer = SqlxBroker::new(pool);
         let mode = scenario.mode;
         let app = RustStream::new(AppInfo::new("sqlx-broker-bench", "0.1.0")).with_broker(
@@ -133,6 +137,7 @@ pub async fn run(
         tokio::time::timeout(Duration::from_secs(30), running.shutdown())
             .await
             .map_err(|_| "ruststream-sqlx did not shut down within 30 s")??;
+        peer_pool.close().await;
         Ok::<_, BoxError>(result)
     }
     .await;
