@@ -109,7 +109,7 @@ pub struct Args {
     /// A short run (about two minutes on 2 cores).
     #[arg(long, conflicts_with = "full")]
     pub quick: bool,
-    /// The long default run (1,500 rows, 3 repetitions, median reported; about 12 minutes).
+    /// The long default run (1,500 rows, 3 repetitions, median reported; about 15 minutes).
     #[arg(long)]
     pub full: bool,
     /// Databases.
