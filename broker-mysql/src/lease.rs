@@ -2,8 +2,8 @@
 //! locking read (`FOR UPDATE SKIP LOCKED`) of due rows, then one `UPDATE .. WHERE id IN (..)`
 //! that writes the expiry and counts the attempt, in one READ COMMITTED transaction committed at
 //! once. The locking read takes its rows among the ids of a window read just before, without
-//! locks, outside the transaction (see [`crate::window`]). The rows come back as the locking read saw them, so their attempt is the one before the
-//! claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
+//! locks, outside the transaction (see [`crate::window`]). The rows come back as the locking
+//! read saw them, so their attempt is the one before the claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
 //!
 //! Expiries are whole seconds, bound as seconds and written with `TIMESTAMPADD(SECOND, ..)`, so a
@@ -111,13 +111,11 @@ impl MySqlLease {
         let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
         let mut skip = 0;
         for _ in 0..PAGES {
-            // An error leaves `conn` armed: it is closed, not given back with the window's
-            // setting possibly pending.
+            // An error leaves `conn` armed, so it is closed (see `Window::read`).
             let window = self
                 .window
-                .read(&mut conn, now_ms, skip)
-                .await
-                .map_err(self.err("claim window"))?;
+                .read(&mut conn, self.table.name(), now_ms, skip)
+                .await?;
             if window.is_empty() {
                 break;
             }

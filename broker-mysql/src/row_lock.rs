@@ -77,13 +77,11 @@ impl MySqlRowLock {
         let mut skip = 0;
         for _ in 0..PAGES {
             let mut conn = Conn::acquire(&self.pool, name).await?;
-            // An error leaves `conn` armed: it is closed, not given back with the window's
-            // setting possibly pending.
+            // An error leaves `conn` armed, so it is closed (see `Window::read`).
             let window = self
                 .window
-                .read(&mut conn, now_ms, skip)
-                .await
-                .map_err(self.err("claim window"))?;
+                .read(&mut conn, self.table.name(), now_ms, skip)
+                .await?;
             if window.is_empty() {
                 conn.finish();
                 return Ok(None);

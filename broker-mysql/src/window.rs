@@ -34,7 +34,7 @@
 //! locked and the delivery holding the row could not delete it (its ack waited for the other
 //! delivery to end: a lock wait timeout under row lock, where both stay open).
 
-use broker_core::TableDescription;
+use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlConnection, Row};
 
@@ -111,6 +111,7 @@ impl Window {
             }
             take = take.param(P::Candidate(i));
         }
+        // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
         let take = take
             .push(") AND ")
             .append(&s.claimable)
@@ -130,9 +131,22 @@ impl Window {
         [&self.read, &self.take]
     }
 
-    /// Reads the window, outside any transaction. On an error the caller must not give the
-    /// connection back to the pool: the READ UNCOMMITTED setting may still be pending on it.
+    /// Reads the window of `table`, outside any transaction. On an error the caller must not
+    /// give the connection back to the pool (leave its [`Conn`](crate::backend::Conn) armed):
+    /// the READ UNCOMMITTED setting may still be pending on it.
     pub(crate) async fn read(
+        &self,
+        conn: &mut MySqlConnection,
+        table: &str,
+        now_ms: i64,
+        skip: i64,
+    ) -> Result<Candidates> {
+        self.read_ids(conn, now_ms, skip)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, self.read.name, e))
+    }
+
+    async fn read_ids(
         &self,
         conn: &mut MySqlConnection,
         now_ms: i64,
