@@ -70,21 +70,29 @@ pub async fn lease_settlements_survive_killed_connections_without_reruns<D: Test
         .map(|(id, n)| (*id, *n))
         .collect();
     let m = q.metrics();
+    // Each counter points at one way a handler can run twice: an ack that failed for good
+    // (`settle_failed`: the row was released), a lease that ran out under a delivery
+    // (`lease_lost`), two deliveries of one row at once (`gone`: the second ack found the row
+    // deleted, as does an ack run again after its reply was lost).
     report(&format!(
-        "{database} lease settlements across killed connections: {ROWS} rows, {KILLS} kills, {killed} connections terminated{}, {} handlers run twice, {} acks found their row already gone, {:.1} s",
+        "{database} lease settlements across killed connections: {ROWS} rows, {KILLS} kills, {killed} connections terminated{}, {} handlers run twice, {:.1} s; settlements failed {}, leases lost {}, acks that found their row gone {}, released {}, claim errors {}",
         if slowed {
             " (acks slowed to ~20 ms)"
         } else {
             ""
         },
         reruns.len(),
+        elapsed.as_secs_f64(),
+        m.settle_failed,
         m.lease_lost,
-        elapsed.as_secs_f64()
+        m.gone,
+        m.released,
+        m.claim_errors,
     ));
     assert!(killed > 0, "the kills must terminate connections");
     assert!(
         reruns.is_empty(),
-        "handlers ran twice for rows {reruns:?}: settlements cut by a kill were not run again in time"
+        "handlers ran twice for rows {reruns:?}: settlements cut by a kill were not run again in time ({m:?})"
     );
     fx.cleanup().await;
 }
