@@ -76,7 +76,12 @@ impl SubscribeOptions {
         self.name = name.into();
         self
     }
-    /// How many deliveries may be in work at once (at least 1; 0 is refused at subscribe).
+    /// How many handlers may run at once (at least 1; 0 is refused at subscribe).
+    ///
+    /// A delivery settles after its handler gives its slot back, beside the next handler, so
+    /// acks that finish close together can share a statement (lease mode). The rows the
+    /// subscription holds stay bounded all the same: a claim waits until rows held by
+    /// settlements still running fit beside the slots.
     ///
     /// In row lock mode, and in advisory mode where keys are held on connections (PostgreSQL,
     /// MySQL), every delivery in work holds a pool connection: a concurrency beyond what the
@@ -985,9 +990,14 @@ async fn work<B, T>(
         }
         // Stored if the renewal is mid-statement; it stops after that statement.
         stop_renewal.notify_one();
-        (result, slot, in_work)
+        // The slot is the handler's: the next row's handler may start while this one settles
+        // (the rows held stay bounded by `held`), so settlements that finish close together
+        // can share a statement.
+        drop(in_work);
+        drop(slot);
+        result
     };
-    let ((result, slot, in_work), ()) = tokio::join!(running, renewal);
+    let (result, ()) = tokio::join!(running, renewal);
 
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
@@ -1017,8 +1027,6 @@ async fn work<B, T>(
     if let Err(e) = delivery.settle(outcome).await {
         tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
     }
-    drop(in_work);
-    drop(slot);
     drop(held);
     // Wake the claim loop for rows this settlement freed instead of leaving them to the next
     // poll.
