@@ -285,6 +285,16 @@ impl<S: LeaseStrategy> LeaseStrategy for TimedStrategy<S> {
         self.stats.record(Op::Settle, t, 1);
         r
     }
+
+    async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
+        let t = Instant::now();
+        let r = self.inner.ack_many(acks, now_ms).await;
+        // A backend that acks one row at a time ran no statement.
+        if !matches!(r, Ok(None)) {
+            self.stats.record(Op::Settle, t, acks.len());
+        }
+        r
+    }
 }
 
 impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {

@@ -18,6 +18,7 @@ pub(crate) struct Metrics {
     pub(crate) settle_failed: AtomicU64,
     pub(crate) gone: AtomicU64,
     pub(crate) released: AtomicU64,
+    pub(crate) batched_acks: AtomicU64,
 }
 
 impl Metrics {
@@ -41,6 +42,7 @@ impl Metrics {
             settle_failed: get(&self.settle_failed),
             gone: get(&self.gone),
             released: get(&self.released),
+            batched_acks: get(&self.batched_acks),
         }
     }
 }
@@ -91,6 +93,10 @@ pub struct MetricsSnapshot {
     /// settlement refused before it ran (no dead-letter target, no due-time column, the broker
     /// closed, the handler kept the transaction). The row is due again as its mode releases it.
     pub released: u64,
+    /// Of the acked rows, those acked by a statement that acked others with them (lease mode,
+    /// where the backend acks many rows at once: acks that finish close together share one
+    /// statement and one commit). Not one of the seven counters above: a part of `acked`.
+    pub batched_acks: u64,
 }
 
 /// Decrements `in_work` when a delivery leaves work, however it leaves.

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, TableDescription};
-use sqlx::{Connection, PgPool, Postgres};
+use sqlx::{Connection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
@@ -29,6 +29,8 @@ pub struct PgLease {
     guard: Option<String>,
     renew: Arc<str>,
     settle: SettleStatements,
+    /// The ack of many rows (see `Statements::lease_ack_many`).
+    ack_many: Arc<str>,
 }
 
 impl PgLease {
@@ -86,6 +88,7 @@ impl PgLease {
         );
         let fence = format!(" AND q.{lu} = {} AND q.{} = $4::int8", ts("$3"), s.attempt);
         let settle = s.settle(&table, false, &fence);
+        let ack_many = s.lease_ack_many(&table).into();
         Self {
             pool,
             prepared: true,
@@ -94,7 +97,27 @@ impl PgLease {
             guard,
             renew: renew.into(),
             settle,
+            ack_many,
         }
+    }
+
+    /// One try of a settlement: the rows it changed.
+    async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<u64, Failed> {
+        let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
+        if self.prepared {
+            return self
+                .settle
+                .run(&mut conn, settle, Fence::Lease(token))
+                .await;
+        }
+        // Unnamed statements run inside a transaction (see `sql::on_pool`).
+        let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
+        let changed = self
+            .settle
+            .run(&mut tx, settle, Fence::Lease(token))
+            .await?;
+        tx.commit().await.map_err(Failed::new("commit"))?;
+        Ok(changed)
     }
 
     /// Sends every statement unnamed, for a transaction-mode pooler.
@@ -105,7 +128,11 @@ impl PgLease {
     }
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
-        let mut out = vec![("claim", &*self.claim), ("renew", &*self.renew)];
+        let mut out = vec![
+            ("claim", &*self.claim),
+            ("renew", &*self.renew),
+            ("ack many", &*self.ack_many),
+        ];
         out.extend(self.settle.named());
         out
     }
@@ -170,25 +197,53 @@ impl LeaseStrategy for PgLease {
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         // Fenced on the token, so a try after one whose connection failed mid-statement changes
         // nothing twice.
-        let changed = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || async {
-            let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
-            if self.prepared {
-                return self
-                    .settle
-                    .run(&mut conn, settle, Fence::Lease(token))
-                    .await;
-            }
-            // Unnamed statements run inside a transaction (see `sql::on_pool`).
-            let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
-            let changed = self
-                .settle
-                .run(&mut tx, settle, Fence::Lease(token))
-                .await?;
-            tx.commit().await.map_err(Failed::new("commit"))?;
-            Ok(changed)
+        let changed = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || {
+            self.settle_once(token, settle)
         })
         .await
         .map_err(|e| e.on(self.table.name()))?;
         Ok(changed == 1)
+    }
+
+    /// One `DELETE .. USING UNNEST(..) .. RETURNING` (an `UPDATE` where the table keeps acked
+    /// rows), fenced per row on its token.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled ack may or may not have landed.
+    async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
+        let ids: Vec<i64> = acks.iter().map(|(id, _)| *id).collect();
+        let expiries: Vec<i64> = acks.iter().map(|(_, t)| t.expires_ms).collect();
+        let attempts: Vec<i64> = acks.iter().map(|(_, t)| t.attempt).collect();
+        // One try: the engine acks each row alone, with retries, when this fails.
+        if let [(id, token)] = acks {
+            // One row: the per-row ack, whose plan is a plain primary-key lookup.
+            let settle = Settle {
+                id: *id,
+                action: Action::Ack,
+                now_ms,
+                attempt: token.attempt,
+            };
+            let acked = self
+                .settle_once(*token, settle)
+                .await
+                .map_err(|e| e.on(self.table.name()))?;
+            return Ok(Some(if acked == 1 { vec![*id] } else { Vec::new() }));
+        }
+        let q = query(&self.ack_many, self.prepared)
+            .bind(&ids)
+            .bind(&expiries)
+            .bind(&attempts)
+            .bind(now_ms);
+        let acked = on_pool(&self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| Failed::new("ack many")(e).on(self.table.name()))?;
+        acked
+            .iter()
+            .map(|row| {
+                row.try_get::<i64, _>(0)
+                    .map_err(|e| Failed::new("ack many")(e).on(self.table.name()))
+            })
+            .collect::<Result<Vec<i64>>>()
+            .map(Some)
     }
 }

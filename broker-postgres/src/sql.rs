@@ -260,6 +260,29 @@ impl Statements {
         out
     }
 
+    /// The lease ack of many rows in one statement, each fenced on its token: `$1` ids, `$2`
+    /// expiries, `$3` attempts (arrays of `int8`, one entry per row), `$4` the time an ack
+    /// writes. Returns the ids it acked.
+    pub(crate) fn lease_ack_many(&self, t: &TableDescription) -> String {
+        let (table, id, a) = (&self.table, &self.id, &self.attempt);
+        let lu = ident(t.locked_until().expect("lease mode has locked_until"));
+        let rows = "UNNEST($1::int8[], $2::int8[], $3::int8[]) AS b(id, expiry, attempt)";
+        let fenced = format!(
+            "q.{id} = b.id AND q.{lu} = {} AND q.{a} = b.attempt",
+            ts("b.expiry")
+        );
+        match t.processed_at() {
+            Some(c) => format!(
+                "UPDATE {table} AS q SET {} = {}, {lu} = NULL FROM {rows} WHERE {fenced} RETURNING q.{id}::int8",
+                ident(c),
+                ts("$4")
+            ),
+            None => format!(
+                "DELETE FROM {table} AS q USING {rows} WHERE {fenced} AND $4::int8 IS NOT NULL RETURNING q.{id}::int8"
+            ),
+        }
+    }
+
     /// The statements of a settlement. `count_attempt`: the settlement counts the attempt (row
     /// lock). `fence` holds extra conditions that must still hold, on parameters from `$3` (see
     /// [`Fence`]). Parameters: `$1` id, `$2` the time the statement writes (now, or the due time).

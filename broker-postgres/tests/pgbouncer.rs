@@ -48,6 +48,7 @@ impl broker_testkit::TestDb for PgBouncer {
     type B = PgBackend;
     type Job = broker_testkit::Job;
     type Text = String;
+    const BATCHED_ACKS: bool = true;
 
     async fn database() -> String {
         ensure_local_pgbouncer().await;

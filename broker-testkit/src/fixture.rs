@@ -99,6 +99,10 @@ pub trait TestDb: Send + Sync + 'static {
         async { false }
     }
 
+    /// Whether the backend acks lease rows that finish close together in one statement
+    /// (`LeaseStrategy::ack_many`), so a case can check that a batch ran.
+    const BATCHED_ACKS: bool = false;
+
     /// Runs one statement of the backend's dialect on `broker`'s pool (cases use it to change a
     /// row behind the broker's back); returns the rows it changed.
     fn execute(broker: &Broker<Self::B>, sql: &str) -> impl Future<Output = u64> + Send;

@@ -222,6 +222,25 @@ pub trait LeaseStrategy: Send + Sync + 'static {
         token: LeaseToken,
         settle: Settle,
     ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Acks, in one statement and one commit, every row of `acks` (id and token) that still
+    /// holds its token, and returns the ids it acked: a row missing from them no longer held
+    /// its token (or was gone), and nothing changed in it. `now_ms` is what an ack writes where
+    /// the table keeps acked rows.
+    ///
+    /// One try, no retries: when it fails the engine settles each row with
+    /// [`settle`](Self::settle), which runs again after lost connections and isolates a row
+    /// whose ack fails for a reason of its own. The engine calls it with the acks that finished
+    /// while its last ack statements ran (one or more). `None`, the default, says this backend
+    /// acks one row at a time: the engine then calls `settle` for each and does not ask again.
+    fn ack_many(
+        &self,
+        acks: &[(i64, LeaseToken)],
+        now_ms: i64,
+    ) -> impl Future<Output = Result<Option<Vec<i64>>>> + Send {
+        let _ = (acks, now_ms);
+        async { Ok(None) }
+    }
 }
 
 /// Advisory mode: a key lock, on a connection of its own, holds every row with that key.

@@ -1,14 +1,203 @@
 //! Lease mode: an expiry in `locked_until` holds each claimed row. The token (expiry and
 //! attempt) fences every settlement and renewal; renewal moves it forward. A dropped hold gives
 //! the row back at once in a clean-up task (without a runtime the lease runs out).
+//!
+//! Acks that finish close together settle in one statement where the backend can
+//! ([`LeaseStrategy::ack_many`]): at most two ack statements of a queue run at a time, and each
+//! takes every ack that arrived while the others ran (as a database groups commits), so a
+//! batch costs nothing when acks come one by one and grows with the load.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
 
 use crate::driver::clock;
 use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
+use crate::metrics::Metrics;
+
+/// The most acks one statement settles.
+const MAX_ACK_BATCH: usize = 64;
+
+/// The most ack statements of one queue in flight at once: more than one, so a statement that
+/// waits (for a row lock a user's transaction holds, say) does not hold up every ack.
+const MAX_ACK_FLIGHTS: usize = 2;
+
+/// A table's lease strategy and its ack task.
+pub(crate) struct LeaseMode<B: Backend> {
+    strategy: Arc<B::Lease>,
+    acks: Arc<AckBatch>,
+}
+
+impl<B: Backend> LeaseMode<B> {
+    pub(crate) fn new(strategy: B::Lease) -> Self {
+        Self {
+            strategy: Arc::new(strategy),
+            acks: Arc::default(),
+        }
+    }
+}
+
+/// One ack waiting for an ack statement.
+struct PendingAck {
+    token: LeaseToken,
+    settle: Settle,
+    answer: oneshot::Sender<AckAnswer>,
+}
+
+/// What an ack statement made of one ack.
+#[derive(Debug, Clone, Copy)]
+enum AckAnswer {
+    /// The statement ran: whether it acked this row (`false`: the row no longer held the
+    /// token, and nothing changed), and whether it acked other rows with it.
+    Acked { acked: bool, batched: bool },
+    /// The statement failed, or the backend acks one row at a time: settle the row alone.
+    Alone,
+}
+
+/// The acks of one queue waiting for a statement, and how many statements are in flight.
+#[derive(Default)]
+struct AckQueue {
+    waiting: Vec<PendingAck>,
+    flights: usize,
+}
+
+/// Groups a queue's acks into shared statements. An ack that finds fewer than
+/// [`MAX_ACK_FLIGHTS`] statements in flight runs one itself, over every ack waiting and its own;
+/// otherwise it waits to be taken into the next. A statement's runner goes on with the acks
+/// that arrived meanwhile before it returns, so no ack is left waiting without a runner.
+#[derive(Default)]
+pub(crate) struct AckBatch {
+    queue: Mutex<AckQueue>,
+    /// The backend acks one row at a time (its `ack_many` said so).
+    alone: AtomicBool,
+}
+
+impl AckBatch {
+    fn lock(&self) -> std::sync::MutexGuard<'_, AckQueue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Acks `settle`'s row with others: whether it still held `token` and was acked, and
+    /// whether the statement acked other rows with it; `None` when it must be settled alone.
+    async fn ack<L: LeaseStrategy>(
+        &self,
+        strategy: &L,
+        token: LeaseToken,
+        settle: Settle,
+    ) -> Option<(bool, bool)> {
+        if self.alone.load(Ordering::Relaxed) {
+            return None;
+        }
+        let (answer, answered) = oneshot::channel();
+        let me = PendingAck {
+            token,
+            settle,
+            answer,
+        };
+        let batch = {
+            let mut q = self.lock();
+            if q.flights >= MAX_ACK_FLIGHTS {
+                q.waiting.push(me);
+                None
+            } else {
+                q.flights += 1;
+                let mut batch = take_batch(&mut q.waiting);
+                batch.push(me);
+                Some(batch)
+            }
+        };
+        if let Some(batch) = batch {
+            let mut runner = Runner {
+                acks: self,
+                done: false,
+            };
+            self.flight(strategy, batch).await;
+            loop {
+                let next = {
+                    let mut q = self.lock();
+                    if q.waiting.is_empty() {
+                        // Under the lock, so an ack arriving now finds the place free.
+                        q.flights -= 1;
+                        runner.done = true;
+                        break;
+                    }
+                    take_batch(&mut q.waiting)
+                };
+                self.flight(strategy, next).await;
+            }
+        }
+        match answered.await {
+            Ok(AckAnswer::Acked { acked, batched }) => Some((acked, batched)),
+            Ok(AckAnswer::Alone) | Err(_) => None,
+        }
+    }
+
+    /// One ack statement over `batch`, one try; tells each ack what became of it.
+    async fn flight<L: LeaseStrategy>(&self, strategy: &L, batch: Vec<PendingAck>) {
+        let acks: Vec<(i64, LeaseToken)> = batch.iter().map(|p| (p.settle.id, p.token)).collect();
+        let now_ms = batch
+            .iter()
+            .map(|p| p.settle.now_ms)
+            .max()
+            .unwrap_or_default();
+        let batched = batch.len() > 1;
+        let acked = match strategy.ack_many(&acks, now_ms).await {
+            Ok(Some(acked)) => Some(acked),
+            Ok(None) => {
+                self.alone.store(true, Ordering::Relaxed);
+                None
+            }
+            Err(e) => {
+                // Each ack runs again alone, with the per-row retries; a row whose ack fails
+                // for a reason of its own (a trigger, a constraint) then fails alone.
+                tracing::debug!(error = %e, rows = batch.len(), "an ack statement failed; acking its rows one by one");
+                None
+            }
+        };
+        for p in batch {
+            let answer = match &acked {
+                Some(acked) => AckAnswer::Acked {
+                    acked: acked.contains(&p.settle.id),
+                    batched,
+                },
+                None => AckAnswer::Alone,
+            };
+            let _ = p.answer.send(answer);
+        }
+    }
+}
+
+/// Up to [`MAX_ACK_BATCH`] waiting acks, oldest first.
+fn take_batch(waiting: &mut Vec<PendingAck>) -> Vec<PendingAck> {
+    let n = waiting.len().min(MAX_ACK_BATCH);
+    waiting.drain(..n).collect()
+}
+
+/// A statement runner's place among the flights, given back however the runner ends. A runner
+/// cut short (its settlement future dropped) leaves no ack waiting for it: the waiting acks
+/// are sent back to be settled alone.
+struct Runner<'a> {
+    acks: &'a AckBatch,
+    /// The runner gave its place back itself.
+    done: bool,
+}
+
+impl Drop for Runner<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut q = self.acks.lock();
+        q.flights -= 1;
+        if q.flights == 0 {
+            // Dropping the answers' senders sends each waiting ack back alone.
+            q.waiting.clear();
+        }
+    }
+}
 
 /// A lease token that renewal can move while the handler runs.
 #[derive(Debug)]
@@ -51,6 +240,7 @@ impl LeaseCell {
 /// releases the lease.
 pub(crate) struct LeaseHold<B: Backend> {
     strategy: Arc<B::Lease>,
+    acks: Arc<AckBatch>,
     shared: Arc<Shared<B>>,
     id: i64,
     cell: Arc<LeaseCell>,
@@ -60,13 +250,13 @@ pub(crate) struct LeaseHold<B: Backend> {
 
 /// Claims up to `limit` rows in one statement, each with its lease.
 pub(crate) async fn claim<B: Backend>(
-    strategy: &Arc<B::Lease>,
+    mode: &LeaseMode<B>,
     shared: &Arc<Shared<B>>,
     limit: usize,
     now_ms: i64,
 ) -> Result<Vec<(ClaimedRow<B::Db>, LeaseHold<B>)>> {
     let expires_ms = clock::lease_expiry_ms(now_ms, shared.table.lease_seconds());
-    let rows = strategy.claim(limit, now_ms, expires_ms).await?;
+    let rows = mode.strategy.claim(limit, now_ms, expires_ms).await?;
     Ok(rows
         .into_iter()
         .map(|row| {
@@ -75,7 +265,8 @@ pub(crate) async fn claim<B: Backend>(
                 attempt: row.attempt + 1,
             };
             let hold = LeaseHold {
-                strategy: strategy.clone(),
+                strategy: mode.strategy.clone(),
+                acks: mode.acks.clone(),
                 shared: shared.clone(),
                 id: row.id,
                 cell: Arc::new(LeaseCell::new(token)),
@@ -96,7 +287,20 @@ impl<B: Backend> LeaseHold<B> {
     pub(crate) async fn settle(mut self, settle: Settle) -> Result<()> {
         self.armed = false;
         let token = self.cell.token();
-        match self.strategy.settle(token, settle).await {
+        let batched = match settle.action {
+            Action::Ack => self.acks.ack(&*self.strategy, token, settle).await,
+            _ => None,
+        };
+        let settled = match batched {
+            Some((acked, batched)) => {
+                if acked && batched {
+                    Metrics::add(&self.shared.metrics.batched_acks, 1);
+                }
+                Ok(acked)
+            }
+            None => self.strategy.settle(token, settle).await,
+        };
+        match settled {
             Ok(true) => Ok(()),
             Ok(false) => Err(self.shared.lost(settle.id).await),
             Err(e) => {

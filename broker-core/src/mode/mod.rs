@@ -24,7 +24,7 @@ pub(crate) struct QueueInner<B: Backend> {
 /// The strategy of a table's mode.
 pub(crate) enum Mode<B: Backend> {
     RowLock(Arc<B::RowLock>),
-    Lease(Arc<B::Lease>),
+    Lease(lease::LeaseMode<B>),
     Advisory(Arc<B::Advisory>),
 }
 
@@ -32,7 +32,7 @@ impl<B: Backend> From<Prepared<B>> for Mode<B> {
     fn from(prepared: Prepared<B>) -> Self {
         match prepared {
             Prepared::RowLock(s) => Self::RowLock(Arc::new(s)),
-            Prepared::Lease(s) => Self::Lease(Arc::new(s)),
+            Prepared::Lease(s) => Self::Lease(lease::LeaseMode::new(s)),
             Prepared::Advisory(s) => Self::Advisory(Arc::new(s)),
         }
     }

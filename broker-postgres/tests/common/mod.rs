@@ -304,6 +304,7 @@ impl broker_testkit::TestDb for Pg {
     type B = PgBackend;
     type Job = broker_testkit::Job;
     type Text = String;
+    const BATCHED_ACKS: bool = true;
 
     async fn database() -> String {
         create_database().await

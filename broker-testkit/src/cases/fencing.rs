@@ -12,12 +12,12 @@
 use std::time::{Duration, SystemTime};
 
 use broker_core::{
-    ClaimMode, ColumnType, DeadLetter, Delivery, Queue, RowState, SqlxBrokerError,
+    Backend, ClaimMode, ColumnType, DeadLetter, Delivery, Queue, RowState, SqlxBrokerError,
     TableDescription, driver::clock,
 };
 
 use super::claim_one;
-use crate::{Fixture, TestDb, claim_within, unique_name, wait_until};
+use crate::{Fixture, TestDb, claim_within, report, unique_name, wait_until};
 
 /// What the stale holder tries.
 #[derive(Debug, Clone, Copy)]
@@ -243,4 +243,80 @@ pub async fn a_stale_holder_cannot_mark_dead<D: TestDb>(mode: ClaimMode) {
 /// A stale lease holder cannot renew: the fresh holder's expiry stays in the row.
 pub async fn a_stale_holder_cannot_renew<D: TestDb>(mode: ClaimMode) {
     stale_holder_is_fenced::<D>(mode, Shape::Plain, Attempted::Renew).await;
+}
+
+/// Rows in the batch of [`acks_that_finish_together_are_each_fenced_on_their_own_token`].
+const BATCH: usize = 8;
+
+/// Lease acks that finish close together (where the backend acks them in one statement, as
+/// one batch): eight fresh deliveries and one stale one (its row was claimed again behind the
+/// broker's back) ack at once. The eight rows are acked, the stale ack is refused as a lost
+/// lease and its row does not change, and, where the backend batches, the batch acked rows.
+/// With slow deletes the first ack runs alone and the others, the stale one last, wait for the
+/// next statement together.
+pub async fn acks_that_finish_together_are_each_fenced_on_their_own_token<D: TestDb>(
+    mode: ClaimMode,
+) {
+    assert_eq!(mode, ClaimMode::Lease, "a case of lease mode");
+    let fx = Fixture::<D>::new(mode, |b| b.lease_seconds(30)).await;
+    let queue = fx.queue().await;
+    fx.publish(&queue, BATCH + 1).await;
+    let slowed = D::slow_down_deletes(&fx.broker, fx.table.name()).await;
+    let mut fresh = Vec::new();
+    for _ in 0..BATCH {
+        fresh.push(claim_one::<D>(&queue).await);
+    }
+    let stale = claim_one::<D>(&queue).await;
+    let stale_id = stale.id();
+    // Another claim counted an attempt: the stale delivery's token no longer matches.
+    let sql = format!(
+        "UPDATE {t} SET {a} = {a} + 1 WHERE {id} = {stale_id}",
+        t = D::quote(fx.table.name()),
+        a = D::quote(fx.table.attempt()),
+        id = D::quote(fx.table.id()),
+    );
+    assert_eq!(D::execute(&fx.broker, &sql).await, 1, "{sql}");
+    let before = queue.row_state(stale_id).await.unwrap();
+    let fresh_ids: Vec<i64> = fresh.iter().map(Delivery::id).collect();
+    let mut acks = tokio::task::JoinSet::new();
+    for d in fresh {
+        acks.spawn(async move { (d.id(), d.ack().await) });
+    }
+    // The first ack is on the wire (slowed) before the stale one joins the queue.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    acks.spawn(async move { (stale_id, stale.ack().await) });
+    while let Some(joined) = acks.join_next().await {
+        let (id, result) = joined.expect("an ack task");
+        if id == stale_id {
+            let err = result.expect_err("the stale ack must be refused");
+            assert!(
+                matches!(err, SqlxBrokerError::LeaseLost { id: lost, .. } if lost == id),
+                "{err:?}"
+            );
+        } else {
+            result.unwrap_or_else(|e| panic!("row {id}: a fresh ack failed: {e:?}"));
+        }
+    }
+    for id in &fresh_ids {
+        assert_eq!(queue.row_state(*id).await.unwrap(), None, "row {id} acked");
+    }
+    assert_eq!(
+        queue.row_state(stale_id).await.unwrap(),
+        before,
+        "the stale ack changed its row"
+    );
+    let m = queue.metrics();
+    assert_eq!((m.acked, m.lease_lost), (BATCH as u64, 1), "{m:?}");
+    if D::BATCHED_ACKS && slowed {
+        assert!(
+            m.batched_acks >= 2,
+            "acks that finished together were not batched: {m:?}"
+        );
+    }
+    report(&format!(
+        "{} lease acks finishing together: {BATCH} acked ({} in batches), the stale one refused",
+        fx.broker.backend().capabilities().database,
+        m.batched_acks
+    ));
+    fx.cleanup().await;
 }
