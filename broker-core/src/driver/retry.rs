@@ -51,8 +51,9 @@ where
 /// Runs a fenced settlement or renewal `work` under [`transient`], and again on a fresh
 /// connection after a lost one (an [`ErrorClass::Connection`] error), with a pause from
 /// [`FIRST_CONNECTION_BACKOFF`] doubling to [`MAX_CONNECTION_BACKOFF`], while the host's clock
-/// after the pause is before `deadline_ms` (a lease's expiry less a margin: past it another
-/// claim may hold the row; `i64::MAX` where nothing else can take it).
+/// is before `deadline_ms` (a lease's expiry less a margin: past it another claim may hold the
+/// row; `i64::MAX` where nothing else can take it). A pause that would end past the deadline
+/// is cut short, so the last try runs at the deadline.
 ///
 /// A try whose connection was lost may have landed; the fence makes the next try change
 /// nothing then. So a server restart or a killed session costs a settlement some waiting, not a
@@ -70,12 +71,17 @@ where
     let mut backoff = FIRST_CONNECTION_BACKOFF;
     loop {
         match transient(&class, &mut work).await {
-            Err(e)
-                if class(&e) == ErrorClass::Connection
-                    && clock::after_ms(backoff) < deadline_ms =>
-            {
-                tracing::debug!(error = ?e, ?backoff, "connection lost; running the fenced statement again on a fresh connection");
-                tokio::time::sleep(backoff).await;
+            Err(e) if class(&e) == ErrorClass::Connection => {
+                let left = deadline_ms.saturating_sub(clock::now_ms());
+                if left <= 0 {
+                    return Err(e);
+                }
+                // The last pause ends at the deadline rather than past it, so a settlement cut
+                // again and again (a server restarting, sessions killed in a row) still gets a
+                // try before its lease can be taken.
+                let pause = backoff.min(Duration::from_millis(left.unsigned_abs()));
+                tracing::debug!(error = ?e, ?pause, "connection lost; running the fenced statement again on a fresh connection");
+                tokio::time::sleep(pause).await;
                 backoff = (backoff * 2).min(MAX_CONNECTION_BACKOFF);
             }
             other => return other,
@@ -136,5 +142,14 @@ mod tests {
         );
         // A deadline already past: the lost connection is the answer.
         assert_eq!(run(&["gone"], Some(0)).await, (Err("gone"), 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_that_would_cross_the_deadline_ends_at_it_for_a_last_try() {
+        // Doubling from 50 ms, the fifth pause (800 ms) would end past a deadline 1 s away; it
+        // is cut short and the work runs again. (Paused time: the pauses take no wall time, so
+        // the host's clock stays before the deadline here.)
+        let deadline = clock::now_ms() + 1_000;
+        assert_eq!(run(&["gone"; 6], Some(deadline)).await, (Ok(()), 7));
     }
 }
