@@ -310,13 +310,12 @@ where
                     now_ms,
                     attempt: attempts::held(queue.table.mode(), attempt),
                 };
-                match hold.settle(settle).await {
+                match hold.settle(settle, &queue).await {
                     Ok(()) => {
                         queue.settle_failures.clear(id);
                         Metrics::add(&queue.metrics.dead_lettered, 1);
                     }
                     Err(e) => {
-                        queue.settle_failed(id, &e);
                         tracing::warn!(table = queue.name(), id, error = %e, "dead-lettering the row failed; it was released")
                     }
                 }
@@ -337,13 +336,12 @@ where
                     now_ms,
                     attempt: attempts::held(queue.table.mode(), attempt),
                 };
-                match hold.settle(settle).await {
+                match hold.settle(settle, &queue).await {
                     Ok(()) if action == Action::DeadLetter => {
                         Metrics::add(&queue.metrics.dead_lettered, 1);
                     }
                     Ok(()) => Metrics::add(&queue.metrics.retried, 1),
                     Err(e) => {
-                        queue.settle_failed(id, &e);
                         tracing::warn!(table = queue.name(), id, error = %e, "putting back a row that does not decode failed")
                     }
                 }
@@ -576,10 +574,8 @@ impl<B: Backend, T> Delivery<B, T> {
             now_ms,
             attempt: attempts::held(table.mode(), self.attempt),
         };
-        if let Err(e) = hold.settle(settle).await {
-            queue.settle_failed(self.id, &e);
-            return Err(e);
-        }
+        // A failure is counted by the hold (before it gives the row back).
+        hold.settle(settle, &queue).await?;
         queue.settle_failures.clear(self.id);
         let m = &queue.metrics;
         Metrics::add(

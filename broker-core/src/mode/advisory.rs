@@ -40,13 +40,20 @@ impl<B: Backend> KeyHold<B> {
             .lock
             .as_mut()
             .expect("a key hold keeps its lock until unlocked");
-        match self.strategy.settle(lock, settle).await {
+        let shared = self.shared.clone();
+        let out = match self.strategy.settle(lock, settle).await {
             Err(SqlxBrokerError::ClaimLost { .. }) if self.shared.is_gone(settle.id).await => {
                 Err(self.shared.gone(settle.id))
             }
             Err(e) => Err(e),
             Ok(()) => self.unlock().await,
+        };
+        if let Err(e) = &out {
+            // Counted before the drop unlocks the key (when the settlement failed), so the
+            // row's next claim sees it.
+            shared.settle_failed(settle.id, e);
         }
+        out
     }
 }
 

@@ -302,8 +302,14 @@ impl<B: Backend> LeaseHold<B> {
         };
         match settled {
             Ok(true) => Ok(()),
-            Ok(false) => Err(self.shared.lost(settle.id).await),
+            Ok(false) => {
+                let e = self.shared.lost(settle.id).await;
+                self.shared.settle_failed(settle.id, &e);
+                Err(e)
+            }
             Err(e) => {
+                // Counted before the row is given back, so its next claim sees the failure.
+                self.shared.settle_failed(settle.id, &e);
                 // The row still holds this lease: give it back now, as a dropped delivery's
                 // is, instead of leaving it until the lease runs out (its next delivery backs
                 // off). A release that fails too leaves the lease to run out.

@@ -73,10 +73,19 @@ impl<B: Backend> QueueInner<B> {
 }
 
 impl<B: Backend> Hold<B> {
-    /// Settles the row by its hold.
-    pub(crate) async fn settle(self, settle: Settle) -> Result<()> {
+    /// Settles the row by its hold. A settlement that fails is counted against the row (see
+    /// [`Shared::settle_failed`]) before the hold gives the row back where the mode gives it
+    /// back itself (lease releases it, advisory unlocks its key), so a claim that takes the row
+    /// next sees the failure and backs off. Row lock's rollback happens in the backend.
+    pub(crate) async fn settle(self, settle: Settle, shared: &Shared<B>) -> Result<()> {
         match self {
-            Hold::RowLock(h) => h.settle(settle).await,
+            Hold::RowLock(h) => {
+                let out = h.settle(settle).await;
+                if let Err(e) = &out {
+                    shared.settle_failed(settle.id, e);
+                }
+                out
+            }
             Hold::Lease(h) => h.settle(settle).await,
             Hold::Key(h) => h.settle(settle).await,
         }
