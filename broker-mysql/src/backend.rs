@@ -479,7 +479,7 @@ impl MySqlBackend {
         .fetch_one(&mut *conn)
         .await
         .map_err(|e| SqlxBrokerError::statement(name, "version", e))?;
-        version::check(&found)?;
+        let server = version::check(&found)?;
         let Some(database) = database else {
             return Err(SqlxBrokerError::Setup {
                 table: name.to_owned(),
@@ -499,7 +499,8 @@ impl MySqlBackend {
                 Prepared::RowLock(s)
             }
             ClaimMode::Lease => {
-                let s = MySqlLease::new(self.pool.clone(), table.clone(), group_index);
+                let mariadb = server.flavor == Flavor::MariaDb;
+                let s = MySqlLease::new(self.pool.clone(), table.clone(), group_index, mariadb);
                 schema::check_statements(conn, table, &s.statements()).await?;
                 Prepared::Lease(s)
             }

@@ -13,9 +13,9 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
-use sqlx::{Connection, MySql, MySqlConnection, MySqlPool};
+use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
 
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
@@ -41,13 +41,66 @@ pub struct MySqlLease {
     guard: Option<Stmt>,
     renew: Stmt,
     settle: SettleStatements,
+    /// MariaDB, acked rows deleted: the ack of many rows (`DELETE .. RETURNING`) as its three
+    /// parts, `None` where rows are acked one at a time (MySQL has no `RETURNING`; no
+    /// `UPDATE .. RETURNING` on MariaDB for tables that keep acked rows).
+    ack_many: Option<AckMany>,
+}
+
+/// The ack of many rows on MariaDB: `{head}{ids}{middle}{fences}{tail}`.
+#[derive(Debug)]
+struct AckMany {
+    /// `DELETE .. WHERE id IN (`.
+    head: String,
+    /// One row's fence, `(id = ? AND locked_until = .. AND attempt = ?)`.
+    fence: String,
+    /// `RETURNING` the id.
+    tail: String,
+    /// The statement for two rows, for prepare's check.
+    two: Stmt,
+}
+
+impl AckMany {
+    fn new(s: &Statements, lu: &str) -> Self {
+        let head = format!("DELETE FROM {} WHERE {} IN (", s.table, s.id);
+        let fence = format!(
+            "({} = ? AND {lu} = TIMESTAMPADD(SECOND, ?, {}) AND {} = ?)",
+            s.id,
+            crate::sql::EPOCH0,
+            s.attempt
+        );
+        let tail = format!(" RETURNING CAST({} AS SIGNED)", s.id);
+        let mut out = Self {
+            head,
+            fence,
+            tail,
+            two: Sql::new(String::new()).stmt("ack many"),
+        };
+        out.two = Sql::new(out.sql(2)).stmt("ack many");
+        out
+    }
+
+    /// The statement for `n` rows: the ids find the rows through the primary key, each row's
+    /// fence (its id, expiry and attempt) keeps out a row that no longer holds its token.
+    /// Parameters: the `n` ids, then each row's id, expiry (whole seconds) and attempt.
+    fn sql(&self, n: usize) -> String {
+        format!(
+            "{}{}) AND ({}){}",
+            self.head,
+            vec!["?"; n].join(", "),
+            vec![self.fence.as_str(); n].join(" OR "),
+            self.tail
+        )
+    }
 }
 
 impl MySqlLease {
+    /// `mariadb`: the server is MariaDB, which has `DELETE .. RETURNING` for acks of many rows.
     pub(crate) fn new(
         pool: MySqlPool,
         table: Arc<TableDescription>,
         group_index: Option<&str>,
+        mariadb: bool,
     ) -> Self {
         let s = Statements::new(&table);
         let lu = format!(
@@ -75,6 +128,7 @@ impl MySqlLease {
             .append(&fence)
             .stmt("renew");
         let settle = s.settle(&table, &fence, false);
+        let ack_many = (mariadb && table.processed_at().is_none()).then(|| AckMany::new(&s, &lu));
         Self {
             pool,
             begin: begin_sql(&table),
@@ -84,6 +138,7 @@ impl MySqlLease {
             guard: fifo::guard(&table, group_index),
             renew,
             settle,
+            ack_many,
             table,
         }
     }
@@ -92,6 +147,7 @@ impl MySqlLease {
     /// table.
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.update_one, &self.renew];
+        out.extend(self.ack_many.as_ref().map(|a| &a.two));
         out.extend(self.window.statements());
         out.extend(&self.guard);
         out.extend(self.settle.named());
@@ -247,5 +303,42 @@ impl LeaseStrategy for MySqlLease {
         // lost connection changes nothing twice.
         let deadline = token.expires_ms - LEASE_MARGIN_MS;
         settle_retrying(deadline, || self.settle_once(token, settle)).await
+    }
+
+    /// MariaDB: one `DELETE .. RETURNING`, one try; one row goes as the per-row ack. MySQL, and
+    /// tables that keep acked rows: one row at a time (`None`).
+    async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
+        let Some(many) = &self.ack_many else {
+            return Ok(None);
+        };
+        if let [(id, token)] = acks {
+            let settle = Settle {
+                id: *id,
+                action: Action::Ack,
+                now_ms,
+                attempt: token.attempt,
+            };
+            let acked = self.settle_once(*token, settle).await?;
+            return Ok(Some(if acked { vec![*id] } else { Vec::new() }));
+        }
+        let sql = many.sql(acks.len());
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (id, _) in acks {
+            q = q.bind(*id);
+        }
+        for (id, token) in acks {
+            q = q
+                .bind(*id)
+                .bind(whole_seconds(token.expires_ms))
+                .bind(token.attempt);
+        }
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let rows = q.fetch_all(&mut *conn).await;
+        conn.finish();
+        let rows = rows.map_err(self.err("ack many"))?;
+        rows.iter()
+            .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))
+            .collect::<Result<Vec<i64>>>()
+            .map(Some)
     }
 }

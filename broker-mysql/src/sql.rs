@@ -37,7 +37,7 @@ pub(crate) const RELEASE_WRITES: &str = "RELEASE SAVEPOINT sqlx_broker_writes";
 /// scheduled for 2040 due at once.
 const EPOCH6: &str = "CAST('1970-01-01 00:00:00' AS DATETIME(6))";
 /// The epoch as DATETIME without fractions, for lease expiries (whole seconds).
-const EPOCH0: &str = "CAST('1970-01-01 00:00:00' AS DATETIME)";
+pub(crate) const EPOCH0: &str = "CAST('1970-01-01 00:00:00' AS DATETIME)";
 
 /// 9999-12-31 23:59:59.999 UTC, the last DATETIME, in unix milliseconds.
 const MAX_MS: i64 = 253_402_300_799_999;

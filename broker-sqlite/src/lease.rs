@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
-use sqlx::{Sqlite, SqlitePool};
+use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::keys::KeyTable;
 use crate::sql::{Fence, SettleStatements, Statements, ident};
@@ -20,6 +20,12 @@ pub struct SqliteLease {
     claim: String,
     renew: String,
     settle: SettleStatements,
+    /// The ack of many rows up to its id lists (see [`SqliteLease::ack_many_sql`]).
+    ack_many_head: String,
+    /// What the ack of many rows returns, and the row value its fence compares.
+    ack_many_row: (String, String),
+    /// The ack of two rows, for prepare's check.
+    ack_two: String,
 }
 
 impl SqliteLease {
@@ -45,20 +51,56 @@ impl SqliteLease {
         );
         let fence = format!(" AND {lu} = ?3 AND {} = ?4", s.attempt);
         let settle = s.settle(&table, &fence);
-        Self {
+        let ack_many_head = match table.processed_at() {
+            Some(c) => format!(
+                "UPDATE {t} SET {} = ?1, {lu} = NULL WHERE ",
+                ident(c),
+                t = s.table
+            ),
+            None => format!("DELETE FROM {t} WHERE ?1 IS NOT NULL AND ", t = s.table),
+        };
+        let ack_many_row = (s.id.clone(), format!("({}, {lu}, {})", s.id, s.attempt));
+        let mut lease = Self {
             pool,
             table,
             file,
             claim,
             renew,
             settle,
-        }
+            ack_many_head,
+            ack_many_row,
+            ack_two: String::new(),
+        };
+        lease.ack_two = lease.ack_many_sql(2);
+        lease
+    }
+
+    /// The lease ack of `n` rows in one statement, each fenced on its own token: `?1` the time
+    /// an ack writes, then each row's id, expiry and attempt. The id list finds the rows
+    /// through the primary key; the row values fence each one. Returns the ids it acked.
+    fn ack_many_sql(&self, n: usize) -> String {
+        let (id, fenced) = &self.ack_many_row;
+        let first = |i: usize| 2 + 3 * i;
+        let ids: Vec<String> = (0..n).map(|i| format!("?{}", first(i))).collect();
+        let tokens: Vec<String> = (0..n)
+            .map(|i| {
+                let p = first(i);
+                format!("(?{p}, ?{}, ?{})", p + 1, p + 2)
+            })
+            .collect();
+        format!(
+            "{}{id} IN ({}) AND {fenced} IN (VALUES {}) RETURNING {id}",
+            self.ack_many_head,
+            ids.join(", "),
+            tokens.join(", ")
+        )
     }
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![
             ("claim", self.claim.as_str()),
             ("renew", self.renew.as_str()),
+            ("ack many", self.ack_two.as_str()),
         ];
         out.extend(self.settle.named());
         out
@@ -116,5 +158,33 @@ impl LeaseStrategy for SqliteLease {
             )
             .await?;
         Ok(changed == 1)
+    }
+
+    /// One `DELETE .. RETURNING` (an `UPDATE` where the table keeps acked rows) in one write
+    /// turn; one row goes as the per-row ack.
+    async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
+        if let [(id, token)] = acks {
+            let settle = Settle {
+                id: *id,
+                action: Action::Ack,
+                now_ms,
+                attempt: token.attempt,
+            };
+            let acked = self.settle(*token, settle).await?;
+            return Ok(Some(if acked { vec![*id] } else { Vec::new() }));
+        }
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.ack_many_sql(acks.len()))).bind(now_ms);
+        for (id, token) in acks {
+            q = q.bind(*id).bind(token.expires_ms).bind(token.attempt);
+        }
+        let _turn = self.file.write_turn().await;
+        let rows = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("ack many"))?;
+        rows.iter()
+            .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))
+            .collect::<Result<Vec<i64>>>()
+            .map(Some)
     }
 }

@@ -9,6 +9,7 @@ impl broker_testkit::TestDb for Sqlite {
     type B = SqliteBackend;
     type Job = broker_testkit::Job;
     type Text = String;
+    const BATCHED_ACKS: bool = true;
 
     async fn database() -> String {
         let dir = std::env::temp_dir().join("sqlx-broker-tests");
@@ -46,6 +47,28 @@ impl broker_testkit::TestDb for Sqlite {
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
             .rows_affected()
+    }
+
+    async fn slow_down_deletes(broker: &SqliteBroker, table: &str) -> bool {
+        // SQLite has no sleep: the trigger sums a table of 500,000 rows (a few milliseconds
+        // per deleted row).
+        let rows = Self::quote(&format!("{table}_slow_rows"));
+        let statements = [
+            format!("CREATE TABLE {rows} (x INTEGER)"),
+            format!(
+                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 200000) \
+                 INSERT INTO {rows} SELECT x FROM c"
+            ),
+            format!(
+                "CREATE TRIGGER {} BEFORE DELETE ON {} BEGIN SELECT sum(x) FROM {rows}; END",
+                Self::quote(&format!("{table}_slow")),
+                Self::quote(table)
+            ),
+        ];
+        for sql in &statements {
+            Self::execute(broker, sql).await;
+        }
+        true
     }
 
     async fn leaks(broker: &SqliteBroker) -> Vec<String> {
