@@ -78,10 +78,11 @@ impl SubscribeOptions {
     }
     /// How many handlers may run at once (at least 1; 0 is refused at subscribe).
     ///
-    /// A delivery settles after its handler gives its slot back, beside the next handler, so
-    /// acks that finish close together can share a statement (lease mode). The rows the
-    /// subscription holds stay bounded all the same: a claim waits until rows held by
-    /// settlements still running fit beside the slots.
+    /// In lease mode without FIFO groups a delivery settles after its handler gives its slot
+    /// back, beside the next handler, so acks that finish close together can share a
+    /// statement; the rows the subscription holds stay bounded all the same (a claim waits
+    /// until rows held by settlements still running fit beside the slots). In the other modes
+    /// a slot is held until its row is settled.
     ///
     /// In row lock mode, and in advisory mode where keys are held on connections (PostgreSQL,
     /// MySQL), every delivery in work holds a pool connection: a concurrency beyond what the
@@ -990,14 +991,19 @@ async fn work<B, T>(
         }
         // Stored if the renewal is mid-statement; it stops after that statement.
         stop_renewal.notify_one();
-        // The slot is the handler's: the next row's handler may start while this one settles
-        // (the rows held stay bounded by `held`), so settlements that finish close together
-        // can share a statement.
-        drop(in_work);
-        drop(slot);
-        result
+        // Lease mode without FIFO groups: the slot is the handler's, and the next row's
+        // handler may start while this one settles (the rows held stay bounded by `held`), so
+        // acks that finish close together share a statement. The other modes keep the slot
+        // until the row is settled: their settlements are not batched, and a row lock or a key
+        // holds a connection until then.
+        let keep = if settles_beside_next_handler(&inner.table) {
+            None
+        } else {
+            Some((slot, in_work))
+        };
+        (result, keep)
     };
-    let (result, ()) = tokio::join!(running, renewal);
+    let ((result, kept), ()) = tokio::join!(running, renewal);
 
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
@@ -1027,6 +1033,7 @@ async fn work<B, T>(
     if let Err(e) = delivery.settle(outcome).await {
         tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
     }
+    drop(kept);
     drop(held);
     // Wake the claim loop for rows this settlement freed instead of leaving them to the next
     // poll.
@@ -1034,6 +1041,12 @@ async fn work<B, T>(
         engine.freed.fetch_add(1, Ordering::SeqCst);
         engine.wake.notify_one();
     }
+}
+
+/// Whether a delivery gives its worker slot back when its handler returns, before it settles:
+/// lease tables without FIFO groups, whose acks can share a statement.
+fn settles_beside_next_handler(table: &TableDescription) -> bool {
+    table.mode() == ClaimMode::Lease && !table.fifo()
 }
 
 /// Whether a settlement can make rows claimable that a claim had to pass over: the next row of
