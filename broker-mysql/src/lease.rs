@@ -121,11 +121,18 @@ impl MySqlLease {
             .time_s(P::TokenExpires)
             .push(&format!(" AND {} = ", s.attempt))
             .param(P::TokenAttempt);
+        // The row may hold the new expiry already: a renewal run again after a lost reply finds
+        // its own first try landed (sqlx asks for found rows, so that counts as one row).
         let renew = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
             .time_s(P::Expires)
             .push(&format!(" WHERE {} = ", s.id))
             .param(P::Id)
-            .append(&fence)
+            .push(&format!(" AND {lu} IN ("))
+            .time_s(P::TokenExpires)
+            .push(", ")
+            .time_s(P::Expires)
+            .push(&format!(") AND {} = ", s.attempt))
+            .param(P::TokenAttempt)
             .stmt("renew");
         let settle = s.settle(&table, &fence, false);
         let ack_many = (mariadb && table.processed_at().is_none()).then(|| AckMany::new(&s, &lu));

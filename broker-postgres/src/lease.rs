@@ -77,9 +77,10 @@ impl PgLease {
             columns = s.claimed_columns(true),
             order_out = s.order_out,
         );
-        // $1 new expiry, $2 id, $3 and $4 the token.
+        // $1 new expiry, $2 id, $3 and $4 the token. The row may hold the new expiry already:
+        // a renewal run again after a lost reply finds its own first try landed.
         let renew = format!(
-            "UPDATE {t} AS q SET {lu} = {expiry} WHERE q.{id} = $2::int8 AND q.{lu} = {token} AND q.{a} = $4::int8",
+            "UPDATE {t} AS q SET {lu} = {expiry} WHERE q.{id} = $2::int8 AND q.{lu} IN ({token}, {expiry}) AND q.{a} = $4::int8",
             t = s.table,
             expiry = ts("$1"),
             id = s.id,

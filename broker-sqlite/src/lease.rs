@@ -43,8 +43,10 @@ impl SqliteLease {
             order = s.order,
             ret = s.returning_counted(),
         );
+        // The row may hold the new expiry already: a renewal run again after a lost reply finds
+        // its own first try landed.
         let renew = format!(
-            "UPDATE {t} SET {lu} = ?1 WHERE {id} = ?2 AND {lu} = ?3 AND {a} = ?4",
+            "UPDATE {t} SET {lu} = ?1 WHERE {id} = ?2 AND {lu} IN (?3, ?1) AND {a} = ?4",
             t = s.table,
             id = s.id,
             a = s.attempt,

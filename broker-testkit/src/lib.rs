@@ -156,6 +156,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@each $db; lease;
             a_stale_holder_cannot_renew,
             acks_that_finish_together_are_each_fenced_on_their_own_token,
+            a_renewal_run_again_after_it_landed_keeps_the_lease,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );

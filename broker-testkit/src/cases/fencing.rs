@@ -11,6 +11,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use broker_core::driver::{Action, LeaseStrategy, LeaseToken, Prepared, Settle};
 use broker_core::{
     Backend, ClaimMode, ColumnType, DeadLetter, Delivery, Queue, RowState, SqlxBrokerError,
     TableDescription, driver::clock,
@@ -318,5 +319,54 @@ pub async fn acks_that_finish_together_are_each_fenced_on_their_own_token<D: Tes
         fx.broker.backend().capabilities().database,
         m.batched_acks
     ));
+    fx.cleanup().await;
+}
+
+/// A lease renewal whose reply was lost runs again from the token it started with (the
+/// engine's retry after a lost connection): when the first try had landed, the second must
+/// still find the row holding this delivery's lease, not report it lost. Driven through the
+/// backend's lease strategy, which is where the retry runs: claim, renew, renew again with the
+/// same token and expiry, then ack on the renewed token.
+pub async fn a_renewal_run_again_after_it_landed_keeps_the_lease<D: TestDb>(mode: ClaimMode) {
+    assert_eq!(mode, ClaimMode::Lease, "a case of lease mode");
+    let fx = Fixture::<D>::new(mode, |b| b.lease_seconds(30)).await;
+    let queue = fx.queue().await;
+    let id = fx.publish(&queue, 1).await[0];
+    let table = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Lease(lease) = fx.broker.backend().prepare(&table).await.expect("prepare") else {
+        panic!("a lease table prepares its lease strategy")
+    };
+    let now = clock::now_ms();
+    let expires_ms = clock::lease_expiry_ms(now, 30);
+    let rows = lease.claim(1, now, expires_ms).await.expect("claim");
+    assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![id]);
+    let token = LeaseToken {
+        expires_ms,
+        attempt: rows[0].attempt + 1,
+    };
+    let later = expires_ms + 10_000;
+    assert!(
+        lease.renew(id, token, later).await.expect("renew"),
+        "the renewal lands"
+    );
+    assert!(
+        lease.renew(id, token, later).await.expect("renew again"),
+        "a renewal run again after it landed found the lease lost"
+    );
+    let renewed = LeaseToken {
+        expires_ms: later,
+        attempt: token.attempt,
+    };
+    let ack = Settle {
+        id,
+        action: Action::Ack,
+        now_ms: clock::now_ms(),
+        attempt: renewed.attempt,
+    };
+    assert!(
+        lease.settle(renewed, ack).await.expect("ack"),
+        "the ack on the renewed token lands"
+    );
+    assert_eq!(queue.row_state(id).await.unwrap(), None, "row {id} acked");
     fx.cleanup().await;
 }
