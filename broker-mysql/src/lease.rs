@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
 
@@ -319,14 +319,9 @@ impl LeaseStrategy for MySqlLease {
             return Ok(None);
         };
         if let [(id, token)] = acks {
-            let settle = Settle {
-                id: *id,
-                action: Action::Ack,
-                now_ms,
-                attempt: token.attempt,
-            };
+            let settle = Settle::lease_ack(*id, *token, now_ms);
             let acked = self.settle_once(*token, settle).await?;
-            return Ok(Some(if acked { vec![*id] } else { Vec::new() }));
+            return Ok(Some(acked.then_some(*id).into_iter().collect()));
         }
         let sql = many.sql(acks.len());
         let mut q = sqlx::query(sqlx::AssertSqlSafe(sql));

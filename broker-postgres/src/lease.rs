@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
@@ -218,17 +218,12 @@ impl LeaseStrategy for PgLease {
         // One try: the engine acks each row alone, with retries, when this fails.
         if let [(id, token)] = acks {
             // One row: the per-row ack, whose plan is a plain primary-key lookup.
-            let settle = Settle {
-                id: *id,
-                action: Action::Ack,
-                now_ms,
-                attempt: token.attempt,
-            };
+            let settle = Settle::lease_ack(*id, *token, now_ms);
             let acked = self
                 .settle_once(*token, settle)
                 .await
                 .map_err(|e| e.on(self.table.name()))?;
-            return Ok(Some(if acked == 1 { vec![*id] } else { Vec::new() }));
+            return Ok(Some((acked == 1).then_some(*id).into_iter().collect()));
         }
         let q = query(&self.ack_many, self.prepared)
             .bind(&ids)

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{Action, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -166,14 +166,9 @@ impl LeaseStrategy for SqliteLease {
     /// turn; one row goes as the per-row ack.
     async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
         if let [(id, token)] = acks {
-            let settle = Settle {
-                id: *id,
-                action: Action::Ack,
-                now_ms,
-                attempt: token.attempt,
-            };
+            let settle = Settle::lease_ack(*id, *token, now_ms);
             let acked = self.settle(*token, settle).await?;
-            return Ok(Some(if acked { vec![*id] } else { Vec::new() }));
+            return Ok(Some(acked.then_some(*id).into_iter().collect()));
         }
         let mut q = sqlx::query(sqlx::AssertSqlSafe(self.ack_many_sql(acks.len()))).bind(now_ms);
         for (id, token) in acks {

@@ -137,6 +137,19 @@ pub struct Settle {
     pub attempt: i64,
 }
 
+impl Settle {
+    /// The ack of a lease row that holds `token`, written at `now_ms`: what a backend's
+    /// [`LeaseStrategy::ack_many`] runs through its per-row ack for a single row.
+    pub fn lease_ack(id: i64, token: LeaseToken, now_ms: i64) -> Self {
+        Self {
+            id,
+            action: Action::Ack,
+            now_ms,
+            attempt: token.attempt,
+        }
+    }
+}
+
 /// The token a lease claim hands out: a settlement or renewal takes effect only while the row
 /// still holds both values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
