@@ -497,7 +497,7 @@ where
         now_ms: clock::now_ms(),
         attempt: row.attempt,
     };
-    s.settle(tx, settle, false).await?;
+    s.settle(tx, settle, false, true).await?;
     shared.acked_one();
     Ok(1)
 }

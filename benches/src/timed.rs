@@ -13,10 +13,10 @@ use std::time::Instant;
 
 use broker_core::driver::{
     AdvisoryStrategy, Candidate, ClaimedRow, LeaseStrategy, LeaseToken, Prepared, RowLockClaim,
-    RowLockStrategy, Settle,
+    RowLockStrategy, RowTransaction, Settle,
 };
 use broker_core::{Backend, Capabilities, NewJob, Result, RowState, TableDescription};
-use sqlx::{Database, Pool, Transaction};
+use sqlx::{Database, Pool};
 
 /// A timed strategy call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,20 +239,28 @@ impl<S: RowLockStrategy> RowLockStrategy for TimedStrategy<S> {
         r
     }
 
-    async fn begin_writes(&self, tx: &mut Transaction<'static, S::Db>) -> Result<()> {
+    async fn begin_writes(&self, tx: &mut RowTransaction<S::Db>) -> Result<()> {
         self.inner.begin_writes(tx).await
     }
 
     async fn settle(
         &self,
-        tx: Transaction<'static, S::Db>,
+        tx: RowTransaction<S::Db>,
         settle: Settle,
         writes_began: bool,
+        keep_connection: bool,
     ) -> Result<()> {
         let t = Instant::now();
-        let r = self.inner.settle(tx, settle, writes_began).await;
+        let r = self
+            .inner
+            .settle(tx, settle, writes_began, keep_connection)
+            .await;
         self.stats.record(Op::Settle, t, 1);
         r
+    }
+
+    fn release_kept(&self) {
+        self.inner.release_kept();
     }
 }
 

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use sqlx::{Database, FromRow, Transaction};
+use sqlx::{Database, FromRow};
 
 use crate::claim_mode::ClaimMode;
 use crate::driver::clock;
-use crate::driver::{Action, Backend, ClaimedRow, Settle};
+use crate::driver::{Action, Backend, ClaimedRow, RowTransaction, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
 use crate::metrics::Metrics;
@@ -124,13 +124,13 @@ impl<B: Backend> std::fmt::Debug for JobTransaction<B> {
 }
 
 /// The delivery's transaction, borrowed from a [`JobTransaction`]; it dereferences to the
-/// sqlx transaction (`&mut **tx` is an executor).
+/// [`RowTransaction`], which dereferences to the connection (`&mut **tx` is an executor).
 pub struct TxGuard<'a, B: Backend> {
     guard: tokio::sync::MutexGuard<'a, Option<TxHold<B>>>,
 }
 
 impl<B: Backend> std::ops::Deref for TxGuard<'_, B> {
-    type Target = Transaction<'static, B::Db>;
+    type Target = RowTransaction<B::Db>;
     fn deref(&self) -> &Self::Target {
         self.guard
             .as_ref()
@@ -227,7 +227,11 @@ impl<B: Backend, T> std::fmt::Debug for Delivery<B, T> {
 
 /// Claims up to `limit` rows as deliveries; rows whose attempts are spent or that do not decode
 /// are settled on the spot (see [`Delivery::from_claim`]).
-pub(crate) async fn claim<B, T>(queue: &QueueInner<B>, limit: usize) -> Result<Vec<Delivery<B, T>>>
+pub(crate) async fn claim<B, T>(
+    queue: &QueueInner<B>,
+    limit: usize,
+    for_subscription: bool,
+) -> Result<Vec<Delivery<B, T>>>
 where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
@@ -238,7 +242,7 @@ where
             what: "a claim".into(),
         });
     }
-    let claimed = queue.claim(limit.max(1)).await?;
+    let claimed = queue.claim(limit.max(1), for_subscription).await?;
     let mut out = Vec::with_capacity(claimed.len());
     for (row, hold) in claimed {
         if let Some(d) = Delivery::from_claim(queue.shared.clone(), row, hold).await {
@@ -398,7 +402,7 @@ impl<B: Backend, T> Delivery<B, T> {
     /// # Cancel safety
     /// Not cancel safe: a cancelled first call may leave the connection mid-statement; settle
     /// or drop the delivery afterwards (its transaction then rolls back).
-    pub async fn transaction(&mut self) -> Result<Option<&mut Transaction<'static, B::Db>>> {
+    pub async fn transaction(&mut self) -> Result<Option<&mut RowTransaction<B::Db>>> {
         match &mut self.hold {
             Some(Hold::RowLock(h)) => Ok(Some(h.transaction().await?)),
             _ => Ok(None),

@@ -80,7 +80,7 @@ pub use broker::{Broker, Queue};
 pub use claim_mode::ClaimMode;
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
-pub use driver::{Backend, Capabilities, RowState};
+pub use driver::{Backend, Capabilities, RowState, RowTransaction};
 pub use error::{Result, SqlxBrokerError};
 pub use inner::SETTLE_FAILURE_LIMIT;
 pub use metrics::MetricsSnapshot;
@@ -103,8 +103,8 @@ pub mod api {
         BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter,
         Delivery, DoctorOptions, DoctorReport, HandlerResult, Health, IntoOutcome, IsolationLevel,
         Job, JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob,
-        Outcome, Payload, Queue, Result, RowState, SETTLE_FAILURE_LIMIT, ShutdownReport,
-        SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder, TableDescription,
-        TxGuard, Value,
+        Outcome, Payload, Queue, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
+        ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
+        TableDescription, TxGuard, Value,
     };
 }

@@ -690,6 +690,7 @@ where
         l.abort();
         let _ = l.await;
     }
+    claim_loop.engine.queue.release_kept();
     shared.broker.drain_cleanups().await;
     tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
     report
@@ -782,7 +783,7 @@ where
         self.tasks.spawn(
             async move {
                 let freed = e.freed.load(Ordering::SeqCst);
-                let result = delivery::claim::<B, T>(&e.queue, permits.num_permits()).await;
+                let result = delivery::claim::<B, T>(&e.queue, permits.num_permits(), true).await;
                 let (next, mut rows) = e.sort_claim(result, permits, freed);
                 let first = (!rows.is_empty()).then(|| rows.remove(0));
                 reporter.send(ClaimReport { next, extras: rows });

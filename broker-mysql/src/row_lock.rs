@@ -12,10 +12,12 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::driver::{
+    Action, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
-use sqlx::{MySql, MySqlPool, SqlSafeStr, Transaction};
+use sqlx::{MySql, MySqlPool};
 
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
@@ -36,6 +38,8 @@ pub struct MySqlRowLock {
     window: Window,
     guard: Option<Stmt>,
     settle: SettleStatements,
+    /// Connections of committed deliveries, kept for the next claim.
+    warm: WarmConnections<MySql>,
 }
 
 impl MySqlRowLock {
@@ -53,6 +57,7 @@ impl MySqlRowLock {
             guard: fifo::guard(&table, group_index),
             settle,
             table,
+            warm: WarmConnections::default(),
         }
     }
 
@@ -73,10 +78,14 @@ impl MySqlRowLock {
     /// held only rows in work. Each window is read outside the transaction (see
     /// [`crate::window`]), so a window that gave nothing ends its transaction before the next.
     async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
-        let name = self.table.name();
         let mut skip = 0;
         for _ in 0..PAGES {
-            let mut conn = Conn::acquire(&self.pool, name).await?;
+            let conn = self
+                .warm
+                .acquire(&self.pool)
+                .await
+                .map_err(self.err("acquire"))?;
+            let mut conn = Conn::guard(conn);
             // An error leaves `conn` armed, so it is closed (see `Window::read`).
             let window = self
                 .window
@@ -86,12 +95,9 @@ impl MySqlRowLock {
                 conn.finish();
                 return Ok(None);
             }
-            let mut tx = Transaction::begin(
-                conn.into_inner(),
-                Some(sqlx::AssertSqlSafe(self.begin.clone()).into_sql_str()),
-            )
-            .await
-            .map_err(self.err("begin"))?;
+            let mut tx = RowTransaction::begin(conn.into_inner(), Some(&self.begin))
+                .await
+                .map_err(self.err("begin"))?;
             let taken = self
                 .window
                 .take(window.run(), 1, now_ms)
@@ -115,7 +121,7 @@ impl MySqlRowLock {
     /// Checks a locked row's group (FIFO) and hands the delivery out.
     async fn hold(
         &self,
-        mut tx: Transaction<'static, MySql>,
+        mut tx: RowTransaction<MySql>,
         row: MySqlRow,
     ) -> Result<Option<RowLockClaim<MySql>>> {
         let name = self.table.name();
@@ -144,18 +150,29 @@ impl RowLockStrategy for MySqlRowLock {
     type Db = MySql;
 
     async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
-        retrying(|| self.claim_once(now_ms)).await
+        retrying(|| async {
+            let claimed = self.claim_once(now_ms).await;
+            match &claimed {
+                Ok(found) => self.warm.claimed(found.is_some()),
+                // The server may have dropped every kept connection; the retry takes tested
+                // ones.
+                Err(_) => self.warm.release(),
+            }
+            claimed
+        })
+        .await
     }
 
-    async fn begin_writes(&self, tx: &mut Transaction<'static, MySql>) -> Result<()> {
+    async fn begin_writes(&self, tx: &mut RowTransaction<MySql>) -> Result<()> {
         execute_plain(tx, self.table.name(), "savepoint", WRITES_SAVEPOINT).await
     }
 
     async fn settle(
         &self,
-        mut tx: Transaction<'static, MySql>,
+        mut tx: RowTransaction<MySql>,
         settle: Settle,
         writes_began: bool,
+        keep_connection: bool,
     ) -> Result<()> {
         let name = self.table.name();
         if writes_began {
@@ -165,6 +182,14 @@ impl RowLockStrategy for MySqlRowLock {
             execute_plain(&mut tx, name, "release savepoint", RELEASE_WRITES).await?;
         }
         self.settle.run(&mut tx, name, settle, None, true).await?;
-        tx.commit().await.map_err(self.err("commit"))
+        let conn = tx.commit().await.map_err(self.err("commit"))?;
+        if keep_connection {
+            self.warm.keep(conn);
+        }
+        Ok(())
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }

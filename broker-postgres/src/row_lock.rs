@@ -13,9 +13,11 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{Action, RowLockClaim, RowLockStrategy, Settle};
+use broker_core::driver::{
+    Action, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+};
 use broker_core::{IsolationLevel, Result, TableDescription};
-use sqlx::{Executor, PgPool, Postgres, Transaction};
+use sqlx::{Executor, PgPool, Postgres};
 
 use crate::fifo;
 use crate::sql::{Failed, Fence, SettleStatements, Statements, query, with_retries};
@@ -36,6 +38,8 @@ pub struct PgRowLock {
     /// FIFO tables: the guard prefix the claim binds.
     guard: Option<String>,
     settle: SettleStatements,
+    /// Connections of committed deliveries, kept for the next claim.
+    warm: WarmConnections<Postgres>,
 }
 
 impl PgRowLock {
@@ -82,6 +86,7 @@ impl PgRowLock {
             claim: claim.into(),
             guard,
             settle,
+            warm: WarmConnections::default(),
         }
     }
 
@@ -99,11 +104,24 @@ impl PgRowLock {
     }
 
     async fn try_claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
-        let mut tx = match self.begin {
-            Some(sql) => self.pool.begin_with(sql).await,
-            None => self.pool.begin().await,
+        let claimed = self.claim_on_warm(now_ms).await;
+        match &claimed {
+            Ok(found) => self.warm.claimed(found.is_some()),
+            // The server may have dropped every kept connection; the retry takes tested ones.
+            Err(_) => self.warm.release(),
         }
-        .map_err(Failed::new("claim begin"))?;
+        claimed
+    }
+
+    async fn claim_on_warm(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
+        let conn = self
+            .warm
+            .acquire(&self.pool)
+            .await
+            .map_err(Failed::new("claim acquire"))?;
+        let mut tx = RowTransaction::begin(conn, self.begin)
+            .await
+            .map_err(Failed::new("claim begin"))?;
         let mut q = query(&self.claim, self.prepared).bind(now_ms);
         if let Some(prefix) = &self.guard {
             q = q.bind(fifo::window(1)).bind(prefix.clone());
@@ -113,6 +131,7 @@ impl PgRowLock {
             .await
             .map_err(Failed::new("claim"))?;
         let Some(row) = row else {
+            // Back to the pool: the table looks drained.
             tx.rollback().await.map_err(Failed::new("claim rollback"))?;
             return Ok(None);
         };
@@ -141,8 +160,9 @@ impl RowLockStrategy for PgRowLock {
     ///
     /// # Cancel safety
     /// Not cancel safe: a cancelled call may leave the connection mid-statement.
-    async fn begin_writes(&self, tx: &mut Transaction<'static, Postgres>) -> Result<()> {
-        tx.execute(SAVEPOINT)
+    async fn begin_writes(&self, tx: &mut RowTransaction<Postgres>) -> Result<()> {
+        (**tx)
+            .execute(SAVEPOINT)
             .await
             .map(drop)
             .map_err(|e| Failed::new("savepoint")(e).on(self.table.name()))
@@ -162,18 +182,21 @@ impl RowLockStrategy for PgRowLock {
     /// is due again, its attempt not counted).
     async fn settle(
         &self,
-        mut tx: Transaction<'static, Postgres>,
+        mut tx: RowTransaction<Postgres>,
         settle: Settle,
         writes_began: bool,
+        keep_connection: bool,
     ) -> Result<()> {
         let name = self.table.name();
         if writes_began {
             if settle.action != Action::Ack {
-                tx.execute(ROLLBACK_TO_SAVEPOINT)
+                (*tx)
+                    .execute(ROLLBACK_TO_SAVEPOINT)
                     .await
                     .map_err(|e| Failed::new("rollback to savepoint")(e).on(name))?;
             }
-            tx.execute(RELEASE_SAVEPOINT)
+            (*tx)
+                .execute(RELEASE_SAVEPOINT)
                 .await
                 .map_err(|e| Failed::new("release savepoint")(e).on(name))?;
         }
@@ -181,8 +204,17 @@ impl RowLockStrategy for PgRowLock {
             .run(&mut tx, settle, Fence::None)
             .await
             .map_err(|e| e.on(name))?;
-        tx.commit()
+        let conn = tx
+            .commit()
             .await
-            .map_err(|e| Failed::new("commit")(e).on(name))
+            .map_err(|e| Failed::new("commit")(e).on(name))?;
+        if keep_connection {
+            self.warm.keep(conn);
+        }
+        Ok(())
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }

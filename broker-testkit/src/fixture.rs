@@ -99,6 +99,17 @@ pub trait TestDb: Send + Sync + 'static {
         async { false }
     }
 
+    /// The id of the server session behind `conn` (PostgreSQL's backend pid, MySQL's
+    /// connection id), so a case can tell whether two deliveries ran on one connection; `None`
+    /// where a session says nothing about the client's connection (behind a transaction-mode
+    /// pooler, a session is lent per transaction) or the database has none (SQLite).
+    fn session_id(
+        conn: &mut <DbOf<Self> as Database>::Connection,
+    ) -> impl Future<Output = Option<i64>> + Send {
+        let _ = conn;
+        async { None }
+    }
+
     /// Whether the backend acks lease rows that finish close together in one statement
     /// (`LeaseStrategy::ack_many`), so a case can check that a batch ran.
     const BATCHED_ACKS: bool = false;

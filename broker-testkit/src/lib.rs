@@ -150,6 +150,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@plain $db;
             row_lock_handler_writes_commit_with_the_ack_only,
             a_subscribed_handler_writes_through_its_transaction,
+            a_busy_subscription_claims_on_its_last_connection_and_gives_it_back_when_idle,
         );
     };
     (@only $db:ty; lease) => {

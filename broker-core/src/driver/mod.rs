@@ -10,11 +10,14 @@
 pub mod clock;
 pub mod indexes;
 pub mod retry;
+mod row_tx;
+
+pub use row_tx::{RowTransaction, WarmConnections};
 
 use std::future::Future;
 use std::sync::Arc;
 
-use sqlx::{Database, Pool, Transaction};
+use sqlx::{Database, Pool};
 
 use crate::claim_mode::ClaimMode;
 use crate::doctor::{Check, DoctorOptions};
@@ -161,7 +164,7 @@ pub struct LeaseToken {
 }
 
 /// What a row lock claim hands out: the open transaction and the row it locked.
-pub type RowLockClaim<DB> = (Transaction<'static, DB>, ClaimedRow<DB>);
+pub type RowLockClaim<DB> = (RowTransaction<DB>, ClaimedRow<DB>);
 
 /// Row lock mode: an open transaction holds each claimed row.
 pub trait RowLockStrategy: Send + Sync + 'static {
@@ -190,19 +193,28 @@ pub trait RowLockStrategy: Send + Sync + 'static {
     /// cancels it.
     fn begin_writes(
         &self,
-        tx: &mut Transaction<'static, Self::Db>,
+        tx: &mut RowTransaction<Self::Db>,
     ) -> impl Future<Output = Result<()>> + Send;
 
     /// Runs the settlement in the claim's transaction and commits it. `writes_began` says
     /// whether [`begin_writes`](Self::begin_writes) ran: then a retry or dead letter first
     /// rolls the handler's writes back to that mark, and every settlement ends the mark before
     /// it changes the queue row, so the row never changes inside a subtransaction.
+    ///
+    /// `keep_connection`: a subscription's claim loop will claim again right away, so the
+    /// committed connection may be kept for that claim (see [`WarmConnections`]); `false` for
+    /// rows claimed by hand, whose connection goes back to the pool.
     fn settle(
         &self,
-        tx: Transaction<'static, Self::Db>,
+        tx: RowTransaction<Self::Db>,
         settle: Settle,
         writes_began: bool,
+        keep_connection: bool,
     ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Gives back to the pool every connection kept for the next claim (see
+    /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
+    fn release_kept(&self) {}
 }
 
 /// Lease mode: an expiry in `locked_until` holds each claimed row.
@@ -314,16 +326,17 @@ impl<DB: Database> RowLockStrategy for NotOffered<DB> {
             NotOffered::_Never(never, _) => match *never {},
         }
     }
-    async fn begin_writes(&self, _tx: &mut Transaction<'static, DB>) -> Result<()> {
+    async fn begin_writes(&self, _tx: &mut RowTransaction<DB>) -> Result<()> {
         match self {
             NotOffered::_Never(never, _) => match *never {},
         }
     }
     async fn settle(
         &self,
-        _tx: Transaction<'static, DB>,
+        _tx: RowTransaction<DB>,
         _settle: Settle,
         _writes_began: bool,
+        _keep_connection: bool,
     ) -> Result<()> {
         match self {
             NotOffered::_Never(never, _) => match *never {},

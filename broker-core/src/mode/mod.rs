@@ -10,7 +10,7 @@ pub(crate) mod row_lock;
 use std::sync::Arc;
 
 use crate::driver::clock;
-use crate::driver::{Backend, ClaimedRow, Prepared, Settle};
+use crate::driver::{Backend, ClaimedRow, Prepared, RowLockStrategy, Settle};
 use crate::error::Result;
 use crate::inner::Shared;
 use crate::metrics::Metrics;
@@ -46,12 +46,17 @@ pub(crate) enum Hold<B: Backend> {
 }
 
 impl<B: Backend> QueueInner<B> {
-    /// Claims up to `limit` rows in the table's mode, with the hold of each.
-    pub(crate) async fn claim(&self, limit: usize) -> Result<Vec<(ClaimedRow<B::Db>, Hold<B>)>> {
+    /// Claims up to `limit` rows in the table's mode, with the hold of each; `for_subscription`
+    /// says a subscription's claim loop claims (and claims again once these settle).
+    pub(crate) async fn claim(
+        &self,
+        limit: usize,
+        for_subscription: bool,
+    ) -> Result<Vec<(ClaimedRow<B::Db>, Hold<B>)>> {
         let now = clock::now_ms();
         let shared = &self.shared;
         let claimed: Vec<_> = match &self.mode {
-            Mode::RowLock(s) => row_lock::claim::<B>(s, limit, now)
+            Mode::RowLock(s) => row_lock::claim::<B>(s, limit, now, for_subscription)
                 .await?
                 .into_iter()
                 .map(|(row, hold)| (row, Hold::RowLock(hold)))
@@ -69,6 +74,16 @@ impl<B: Backend> QueueInner<B> {
         };
         Metrics::add(&shared.metrics.claimed, claimed.len() as u64);
         Ok(claimed)
+    }
+}
+
+impl<B: Backend> QueueInner<B> {
+    /// Gives back what the mode keeps for the next claim (row lock: warm connections), as a
+    /// subscription stops.
+    pub(crate) fn release_kept(&self) {
+        if let Mode::RowLock(s) = &self.mode {
+            s.release_kept();
+        }
     }
 }
 

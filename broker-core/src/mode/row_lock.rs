@@ -4,24 +4,27 @@
 
 use std::sync::Arc;
 
-use sqlx::Transaction;
-
-use crate::driver::{Backend, ClaimedRow, RowLockStrategy, Settle};
+use crate::driver::{Backend, ClaimedRow, RowLockStrategy, RowTransaction, Settle};
 use crate::error::Result;
 
 /// What holds a row lock delivery's row: the claim's open transaction, and whether the
 /// handler's writes began in it (see [`RowLockStrategy::begin_writes`]).
 pub(crate) struct TxHold<B: Backend> {
     strategy: Arc<B::RowLock>,
-    tx: Transaction<'static, B::Db>,
+    tx: RowTransaction<B::Db>,
     writes_began: bool,
+    /// A subscription claimed the row and claims again once it settles: the strategy may keep
+    /// the connection for that claim.
+    keep_connection: bool,
 }
 
-/// Claims up to `limit` rows, one transaction each.
+/// Claims up to `limit` rows, one transaction each. `for_subscription`: see
+/// [`RowLockStrategy::settle`]'s `keep_connection`.
 pub(crate) async fn claim<B: Backend>(
     strategy: &Arc<B::RowLock>,
     limit: usize,
     now_ms: i64,
+    for_subscription: bool,
 ) -> Result<Vec<(ClaimedRow<B::Db>, TxHold<B>)>> {
     let mut out = Vec::new();
     while out.len() < limit {
@@ -32,6 +35,7 @@ pub(crate) async fn claim<B: Backend>(
                     strategy: strategy.clone(),
                     tx,
                     writes_began: false,
+                    keep_connection: for_subscription,
                 },
             )),
             None => break,
@@ -42,7 +46,7 @@ pub(crate) async fn claim<B: Backend>(
 
 impl<B: Backend> TxHold<B> {
     /// The transaction, with the mark where the handler's writes begin set on first use.
-    pub(crate) async fn transaction(&mut self) -> Result<&mut Transaction<'static, B::Db>> {
+    pub(crate) async fn transaction(&mut self) -> Result<&mut RowTransaction<B::Db>> {
         if !self.writes_began {
             self.strategy.begin_writes(&mut self.tx).await?;
             self.writes_began = true;
@@ -50,18 +54,18 @@ impl<B: Backend> TxHold<B> {
         Ok(&mut self.tx)
     }
 
-    pub(crate) fn tx(&self) -> &Transaction<'static, B::Db> {
+    pub(crate) fn tx(&self) -> &RowTransaction<B::Db> {
         &self.tx
     }
 
-    pub(crate) fn tx_mut(&mut self) -> &mut Transaction<'static, B::Db> {
+    pub(crate) fn tx_mut(&mut self) -> &mut RowTransaction<B::Db> {
         &mut self.tx
     }
 
     /// Settles in the transaction and commits it.
     pub(crate) async fn settle(self, settle: Settle) -> Result<()> {
         self.strategy
-            .settle(self.tx, settle, self.writes_began)
+            .settle(self.tx, settle, self.writes_began, self.keep_connection)
             .await
     }
 }

@@ -312,6 +312,14 @@ impl broker_testkit::TestDb for MySql {
     // The live server here is MariaDB, which acks many rows with `DELETE .. RETURNING`.
     const BATCHED_ACKS: bool = true;
 
+    async fn session_id(conn: &mut sqlx::MySqlConnection) -> Option<i64> {
+        let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+            .fetch_one(conn)
+            .await
+            .expect("CONNECTION_ID()");
+        Some(id)
+    }
+
     async fn database() -> String {
         create_database().await
     }

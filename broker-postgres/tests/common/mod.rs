@@ -306,6 +306,14 @@ impl broker_testkit::TestDb for Pg {
     type Text = String;
     const BATCHED_ACKS: bool = true;
 
+    async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .expect("pg_backend_pid()");
+        Some(i64::from(pid))
+    }
+
     async fn database() -> String {
         create_database().await
     }

@@ -402,3 +402,120 @@ pub async fn subscribe_with_transaction_outside_row_lock_is_refused<D: TestDb>(m
     );
     fx.cleanup().await;
 }
+
+/// Connections of `broker`'s pool that are out of it now.
+fn pool_in_use<B: broker_core::Backend>(broker: &broker_core::Broker<B>) -> usize {
+    let pool = broker.pool();
+    usize::try_from(pool.size())
+        .unwrap_or(usize::MAX)
+        .saturating_sub(pool.num_idle())
+}
+
+/// A busy row lock subscription claims its next row on the connection its last delivery
+/// committed on, with no trip through the pool (whose test of a returning connection costs a
+/// round trip each way); once the table is drained it gives those connections back to the pool
+/// while it still runs (rows that settle after the claim that found the table drained too), and
+/// none stays out after it stops. Where the backend cannot tell sessions apart
+/// (`TestDb::session_id` is `None`, e.g. behind a transaction-mode pooler) only the giving back
+/// is checked.
+pub async fn a_busy_subscription_claims_on_its_last_connection_and_gives_it_back_when_idle<
+    D: TestDb,
+>() {
+    let fx = Fixture::<D>::new(ClaimMode::RowLock, |b| b).await;
+    let q = fx.queue().await;
+    // One worker: each claim starts once the last row settled, so every row runs on one
+    // connection. Four: when the table drains, three rows are still in work and settle after
+    // the claim that found nothing.
+    for (workers, rows) in [(1, 30), (4, 40)] {
+        let sessions = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Option<i64>>::new()));
+        let sub = {
+            let sessions = sessions.clone();
+            q.subscribe_with_transaction(
+                // No poll while the test waits: a claim that finds the table drained gives the
+                // connections back, not the next poll.
+                SubscribeOptions::new()
+                    .concurrency(workers)
+                    .poll_interval(Duration::from_secs(60)),
+                move |_job, tx| {
+                    let sessions = sessions.clone();
+                    async move {
+                        let mut tx = tx.get().await?;
+                        let session = D::session_id(&mut **tx).await;
+                        sessions.lock().unwrap().push(session);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        Ok::<_, broker_core::BoxError>(Outcome::Ack)
+                    }
+                },
+            )
+            .expect("subscribe")
+        };
+        // What an idle subscription holds on an empty table (a wake-up listener, where the
+        // backend has one, which connects a moment after the start): the fewest connections
+        // out over a tenth of a second, a fifth of a second after the start.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut idle = usize::MAX;
+        for _ in 0..5 {
+            idle = idle.min(pool_in_use(&fx.broker));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let ids = fx.publish(&q, rows).await;
+        crate::wait_until_rows_gone::<D>(&q, &ids, Duration::from_secs(30)).await;
+        let seen = sessions.lock().unwrap().clone();
+        assert_eq!(seen.len(), ids.len(), "one run per row");
+        if workers == 1 && seen.iter().all(Option::is_some) {
+            let mut distinct: Vec<i64> = seen.iter().flatten().copied().collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert_eq!(
+                distinct.len(),
+                1,
+                "every row ran on the connection the last one committed on: sessions {seen:?}"
+            );
+        }
+        wait_until(
+            &format!(
+                "the drained subscription ({workers} workers) gives its connections back to the pool"
+            ),
+            Duration::from_secs(3),
+            || {
+                let in_use = pool_in_use(&fx.broker);
+                async move { in_use <= idle }
+            },
+        )
+        .await;
+        sub.shutdown().await;
+        let leaks = D::leaks(&fx.broker).await;
+        assert!(leaks.is_empty(), "after shutdown: {leaks:?}");
+    }
+    // Stopped while busy: the rows that settle as it stops keep nothing out of the pool.
+    let ids = fx.publish(&q, 200).await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let sub = {
+        let runs = runs.clone();
+        q.subscribe(SubscribeOptions::new().concurrency(4), move |_job| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok::<_, broker_core::BoxError>(Outcome::Ack)
+            }
+        })
+        .expect("subscribe")
+    };
+    wait_until("twenty rows ran", Duration::from_secs(30), || {
+        let n = runs.load(std::sync::atomic::Ordering::SeqCst);
+        async move { n >= 20 }
+    })
+    .await;
+    sub.shutdown().await;
+    assert!(
+        q.row_state(ids[ids.len() - 1]).await.unwrap().is_some(),
+        "rows were left when it stopped"
+    );
+    let leaks = D::leaks(&fx.broker).await;
+    assert!(
+        leaks.is_empty(),
+        "after a busy subscription stopped: {leaks:?}"
+    );
+    fx.cleanup().await;
+}

@@ -1,0 +1,222 @@
+//! The transaction a row lock delivery holds, on a pooled connection that the strategy keeps
+//! for its next claim once the transaction has committed.
+//!
+//! A sqlx [`Transaction`](sqlx::Transaction) that owns its pooled connection gives the
+//! connection back to the pool when it ends, and a pooled connection costs a round trip each
+//! way: sqlx pings it when it goes back and, by default, again before it is handed out. A
+//! hand-written loop that keeps one connection runs four statements per row (begin, select,
+//! delete, commit); a claim that took its connection from the pool each time ran six. So a
+//! [`RowTransaction`] begins, commits and rolls back through the database's
+//! `TransactionManager`, exactly as sqlx's own transaction does, and hands the connection back
+//! to its owner when it commits; [`WarmConnections`] keeps those connections between a
+//! settlement and the next claim, and gives them back to the pool once the table looks
+//! drained.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
+
+/// The open transaction of a row lock delivery. It dereferences to the connection, so
+/// `&mut **tx` (through a [`TxGuard`](crate::TxGuard) or the `&mut RowTransaction` that
+/// [`Delivery::transaction`](crate::Delivery::transaction) gives) is an executor; a nested
+/// `begin` on that connection makes a savepoint, as in any sqlx transaction.
+///
+/// Dropped while open, it rolls back (the rollback is sent before the connection is used
+/// again), as a sqlx transaction does.
+pub struct RowTransaction<DB: Database> {
+    /// `None` once committed or rolled back.
+    conn: Option<PoolConnection<DB>>,
+}
+
+impl<DB: Database> std::fmt::Debug for RowTransaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowTransaction")
+            .field("open", &self.conn.is_some())
+            .finish()
+    }
+}
+
+impl<DB: Database> RowTransaction<DB> {
+    /// Begins a transaction on `conn`, with `statement` in place of `BEGIN` if given (e.g. one
+    /// that sets the isolation level). For backends.
+    ///
+    /// # Errors
+    /// The begin statement failed; the connection is dropped (back to the pool, which tests
+    /// it).
+    pub async fn begin(
+        mut conn: PoolConnection<DB>,
+        statement: Option<&str>,
+    ) -> Result<Self, sqlx::Error> {
+        let statement = statement.map(|s| AssertSqlSafe(s.to_owned()).into_sql_str());
+        DB::TransactionManager::begin(&mut conn, statement).await?;
+        Ok(Self { conn: Some(conn) })
+    }
+
+    /// Commits and hands the connection back. For backends.
+    ///
+    /// # Errors
+    /// The commit failed; the transaction is then rolled back as it drops.
+    pub async fn commit(mut self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        let conn = self.conn_mut();
+        DB::TransactionManager::commit(conn).await?;
+        Ok(self
+            .conn
+            .take()
+            .expect("an open transaction has its connection"))
+    }
+
+    /// Rolls back and hands the connection back. For backends.
+    ///
+    /// # Errors
+    /// The rollback failed (the connection is then dropped, and the pool tests it).
+    pub async fn rollback(mut self) -> Result<PoolConnection<DB>, sqlx::Error> {
+        let conn = self.conn_mut();
+        DB::TransactionManager::rollback(conn).await?;
+        Ok(self
+            .conn
+            .take()
+            .expect("an open transaction has its connection"))
+    }
+
+    fn conn_mut(&mut self) -> &mut PoolConnection<DB> {
+        self.conn
+            .as_mut()
+            .expect("an open transaction has its connection")
+    }
+}
+
+impl<DB: Database> Deref for RowTransaction<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &Self::Target {
+        self.conn
+            .as_ref()
+            .expect("an open transaction has its connection")
+    }
+}
+
+impl<DB: Database> DerefMut for RowTransaction<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.conn_mut()
+    }
+}
+
+impl<DB: Database> Drop for RowTransaction<DB> {
+    fn drop(&mut self) {
+        if let Some(conn) = &mut self.conn {
+            // Queued on the connection: sent before its next statement, or by the pool's test
+            // as the connection goes back.
+            DB::TransactionManager::start_rollback(conn);
+        }
+    }
+}
+
+/// How long a kept connection may wait for the next claim before it goes back to the pool.
+const KEEP_FOR: Duration = Duration::from_millis(250);
+
+/// At most this many connections are kept.
+const KEEP_AT_MOST: usize = 64;
+
+/// Connections a row lock strategy keeps between a settlement and its next claim, so a busy
+/// table's claims skip the pool (and its tests) as a hand-written loop does. They go back to
+/// the pool when a claim finds nothing (the table looks drained: what settles afterwards goes
+/// straight back), when a claim fails (the server may have dropped them all), when they wait
+/// longer than a quarter second, and when a subscription stops.
+#[derive(Debug)]
+pub struct WarmConnections<DB: Database> {
+    state: Mutex<Warm<DB>>,
+}
+
+#[derive(Debug)]
+struct Warm<DB: Database> {
+    idle: Vec<(PoolConnection<DB>, Instant)>,
+    /// The last claim found nothing.
+    drained: bool,
+}
+
+impl<DB: Database> Default for WarmConnections<DB> {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new(Warm {
+                idle: Vec::new(),
+                drained: false,
+            }),
+        }
+    }
+}
+
+impl<DB: Database> WarmConnections<DB> {
+    /// The connection kept last, or one from `pool`.
+    ///
+    /// # Errors
+    /// The pool's acquire failed.
+    pub async fn acquire(&self, pool: &Pool<DB>) -> Result<PoolConnection<DB>, sqlx::Error> {
+        let (kept, stale) = {
+            let mut w = self.lock();
+            let stale = w.stale();
+            (w.idle.pop().map(|(c, _)| c), stale)
+        };
+        drop(stale);
+        match kept {
+            Some(conn) => Ok(conn),
+            None => pool.acquire().await,
+        }
+    }
+
+    /// Keeps the connection of a transaction that committed, for the next claim; unless the
+    /// table looked drained at the last claim.
+    pub fn keep(&self, conn: PoolConnection<DB>) {
+        let give_back = {
+            let mut w = self.lock();
+            let mut stale = w.stale();
+            if w.drained || w.idle.len() >= KEEP_AT_MOST {
+                stale.push(conn);
+            } else {
+                w.idle.push((conn, Instant::now()));
+            }
+            stale
+        };
+        drop(give_back);
+    }
+
+    /// Records what a claim found: with nothing found, every kept connection goes back to the
+    /// pool and so do those that settle until a claim finds a row again.
+    pub fn claimed(&self, found: bool) {
+        let give_back = {
+            let mut w = self.lock();
+            w.drained = !found;
+            if found {
+                Vec::new()
+            } else {
+                std::mem::take(&mut w.idle)
+            }
+        };
+        drop(give_back);
+    }
+
+    /// Gives every kept connection back to the pool (a claim failed, or a subscription stops).
+    pub fn release(&self) {
+        let give_back = std::mem::take(&mut self.lock().idle);
+        drop(give_back);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Warm<DB>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<DB: Database> Warm<DB> {
+    /// Takes out the connections kept too long (the oldest are first).
+    fn stale(&mut self) -> Vec<PoolConnection<DB>> {
+        let now = Instant::now();
+        let fresh = self
+            .idle
+            .iter()
+            .position(|(_, at)| now.duration_since(*at) < KEEP_FOR)
+            .unwrap_or(self.idle.len());
+        self.idle.drain(..fresh).map(|(c, _)| c).collect()
+    }
+}
