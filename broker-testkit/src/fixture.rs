@@ -110,6 +110,18 @@ pub trait TestDb: Send + Sync + 'static {
         async { None }
     }
 
+    /// Runs `sql` (a locking read, `SELECT .. FOR UPDATE`) in a transaction of its own on
+    /// `broker`'s pool and keeps the transaction open until the returned value drops, as a
+    /// user's transaction holding a row lock would; `None` where the database has no row locks
+    /// (SQLite).
+    fn hold_row_lock(
+        broker: &Broker<Self::B>,
+        sql: &str,
+    ) -> impl Future<Output = Option<Box<dyn std::any::Any + Send>>> + Send {
+        let _ = (broker, sql);
+        async { None }
+    }
+
     /// Whether the backend acks lease rows that finish close together in one statement
     /// (`LeaseStrategy::ack_many`), so a case can check that a batch ran.
     const BATCHED_ACKS: bool = false;

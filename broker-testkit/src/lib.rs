@@ -196,7 +196,11 @@ macro_rules! conformance_suite {
             a_killed_key_connection_frees_the_key_and_the_stale_delivery_cannot_settle,
         );
     };
-    (@server_only $db:ty; lease) => {};
+    (@server_only $db:ty; lease) => {
+        $crate::conformance_suite!(@each $db; lease;
+            an_ack_stuck_behind_a_row_lock_does_not_hold_up_the_others,
+        );
+    };
     (@server $db:ty; $mode:ident; no) => {};
     // Faults that need server connections and are about no one mode.
     (@server_plain $db:ty; yes) => {

@@ -3,9 +3,11 @@
 //! the row back at once in a clean-up task (without a runtime the lease runs out).
 //!
 //! Acks that finish close together settle in one statement where the backend can
-//! ([`LeaseStrategy::ack_many`]): at most two ack statements of a queue run at a time, and each
-//! takes every ack that arrived while the others ran (as a database groups commits), so a
-//! batch costs nothing when acks come one by one and grows with the load.
+//! ([`LeaseStrategy::ack_many`]): one ack statement of a queue runs at a time and takes every
+//! ack that arrived while the last one ran (as a database groups commits), so a batch costs
+//! nothing when acks come one by one and grows with the load. A second statement starts only
+//! for an ack that waited [`SECOND_FLIGHT_AFTER`] (the first is slow: it waits for a row lock
+//! a user's transaction holds, say), so a stuck statement never holds up every ack.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +26,13 @@ const MAX_ACK_BATCH: usize = 64;
 /// The most ack statements of one queue in flight at once: more than one, so a statement that
 /// waits (for a row lock a user's transaction holds, say) does not hold up every ack.
 const MAX_ACK_FLIGHTS: usize = 2;
+
+/// How long an ack waits for the statement in flight before it starts another (while fewer
+/// than [`MAX_ACK_FLIGHTS`] run). Two statements side by side from the start cut each one's
+/// batch in half: measured on PostgreSQL (lease, batch 16, 8 workers) one statement at a time
+/// acked about 10-25% more rows per second than two. An ack statement takes well under a
+/// millisecond there, so an ack that waits this long waits behind a slow one.
+const SECOND_FLIGHT_AFTER: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// A table's lease strategy and its ack task.
 pub(crate) struct LeaseMode<B: Backend> {
@@ -64,10 +73,11 @@ struct AckQueue {
     flights: usize,
 }
 
-/// Groups a queue's acks into shared statements. An ack that finds fewer than
-/// [`MAX_ACK_FLIGHTS`] statements in flight runs one itself, over every ack waiting and its own;
-/// otherwise it waits to be taken into the next. A statement's runner goes on with the acks
-/// that arrived meanwhile before it returns, so no ack is left waiting without a runner.
+/// Groups a queue's acks into shared statements. An ack that finds no statement in flight runs
+/// one itself, over every ack waiting and its own; otherwise it waits to be taken into the
+/// next, and after [`SECOND_FLIGHT_AFTER`] still waiting it runs one beside the others if fewer
+/// than [`MAX_ACK_FLIGHTS`] run. A statement's runner goes on with the acks that arrived
+/// meanwhile before it returns, so no ack is left waiting without a runner.
 #[derive(Default)]
 pub(crate) struct AckBatch {
     queue: Mutex<AckQueue>,
@@ -91,7 +101,8 @@ impl AckBatch {
         if self.alone.load(Ordering::Relaxed) {
             return None;
         }
-        let (answer, answered) = oneshot::channel();
+        let (answer, mut answered) = oneshot::channel();
+        let id = settle.id;
         let me = PendingAck {
             token,
             settle,
@@ -99,7 +110,7 @@ impl AckBatch {
         };
         let batch = {
             let mut q = self.lock();
-            if q.flights >= MAX_ACK_FLIGHTS {
+            if q.flights > 0 {
                 q.waiting.push(me);
                 None
             } else {
@@ -109,29 +120,60 @@ impl AckBatch {
                 Some(batch)
             }
         };
-        if let Some(batch) = batch {
-            let mut runner = Runner {
-                acks: self,
-                done: false,
-            };
-            self.flight(strategy, batch).await;
-            loop {
-                let next = {
-                    let mut q = self.lock();
-                    if q.waiting.is_empty() {
-                        // Under the lock, so an ack arriving now finds the place free.
-                        q.flights -= 1;
-                        runner.done = true;
-                        break;
-                    }
-                    take_batch(&mut q.waiting)
-                };
-                self.flight(strategy, next).await;
+        let answer = match batch {
+            Some(batch) => {
+                self.run(strategy, batch).await;
+                answered.await
             }
-        }
-        match answered.await {
+            None => match tokio::time::timeout(SECOND_FLIGHT_AFTER, &mut answered).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    // Still unanswered: run a statement beside the slow one, if this ack is
+                    // still waiting (not taken into a statement in flight) and there is room.
+                    let batch = {
+                        let mut q = self.lock();
+                        if q.flights < MAX_ACK_FLIGHTS
+                            && q.waiting.iter().any(|p| p.settle.id == id)
+                        {
+                            q.flights += 1;
+                            Some(take_batch(&mut q.waiting))
+                        } else {
+                            None
+                        }
+                    };
+                    if let Some(batch) = batch {
+                        self.run(strategy, batch).await;
+                    }
+                    answered.await
+                }
+            },
+        };
+        match answer {
             Ok(AckAnswer::Acked { acked, batched }) => Some((acked, batched)),
             Ok(AckAnswer::Alone) | Err(_) => None,
+        }
+    }
+
+    /// Runs ack statements, starting with `batch`, until no ack waits; holds one place among
+    /// the flights (taken by the caller) and gives it back however it ends.
+    async fn run<L: LeaseStrategy>(&self, strategy: &L, batch: Vec<PendingAck>) {
+        let mut runner = Runner {
+            acks: self,
+            done: false,
+        };
+        self.flight(strategy, batch).await;
+        loop {
+            let next = {
+                let mut q = self.lock();
+                if q.waiting.is_empty() {
+                    // Under the lock, so an ack arriving now finds the place free.
+                    q.flights -= 1;
+                    runner.done = true;
+                    return;
+                }
+                take_batch(&mut q.waiting)
+            };
+            self.flight(strategy, next).await;
         }
     }
 

@@ -312,6 +312,18 @@ impl broker_testkit::TestDb for MySql {
     // The live server here is MariaDB, which acks many rows with `DELETE .. RETURNING`.
     const BATCHED_ACKS: bool = true;
 
+    async fn hold_row_lock(
+        broker: &MySqlBroker,
+        sql: &str,
+    ) -> Option<Box<dyn std::any::Any + Send>> {
+        let mut tx = broker.pool().begin().await.expect("begin");
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        Some(Box::new(tx))
+    }
+
     async fn session_id(conn: &mut sqlx::MySqlConnection) -> Option<i64> {
         let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
             .fetch_one(conn)

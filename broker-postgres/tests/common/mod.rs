@@ -306,6 +306,15 @@ impl broker_testkit::TestDb for Pg {
     type Text = String;
     const BATCHED_ACKS: bool = true;
 
+    async fn hold_row_lock(broker: &PgBroker, sql: &str) -> Option<Box<dyn std::any::Any + Send>> {
+        let mut tx = broker.pool().begin().await.expect("begin");
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        Some(Box::new(tx))
+    }
+
     async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(conn)

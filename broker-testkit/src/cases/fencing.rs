@@ -370,3 +370,64 @@ pub async fn a_renewal_run_again_after_it_landed_keeps_the_lease<D: TestDb>(mode
     assert_eq!(queue.row_state(id).await.unwrap(), None, "row {id} acked");
     fx.cleanup().await;
 }
+
+/// Lease acks share statements, one at a time per queue; an ack whose statement waits (here for
+/// a row lock that another transaction holds on its row, as a user's transaction might) must
+/// not hold up the acks of other rows: they run in a second statement beside it and finish
+/// while the lock is still held. The stuck ack finishes once the lock goes.
+pub async fn an_ack_stuck_behind_a_row_lock_does_not_hold_up_the_others<D: TestDb>(
+    mode: ClaimMode,
+) {
+    assert_eq!(mode, ClaimMode::Lease, "a case of lease mode");
+    let fx = Fixture::<D>::new(mode, |b| b.lease_seconds(60)).await;
+    let queue = fx.queue().await;
+    let ids = fx.publish(&queue, 6).await;
+    let mut claimed = Vec::new();
+    for _ in 0..ids.len() {
+        claimed.push(claim_one::<D>(&queue).await);
+    }
+    let stuck = claimed.remove(0);
+    let stuck_id = stuck.id();
+    let sql = format!(
+        "SELECT {id} FROM {t} WHERE {id} = {stuck_id} FOR UPDATE",
+        t = D::quote(fx.table.name()),
+        id = D::quote(fx.table.id()),
+    );
+    let lock = D::hold_row_lock(&fx.broker, &sql)
+        .await
+        .expect("a server database has row locks");
+    let stuck_ack = tokio::spawn(async move { stuck.ack().await });
+    // The stuck ack's statement is on the wire, waiting for the lock.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!stuck_ack.is_finished(), "the ack waits for the row lock");
+    let mut acks = tokio::task::JoinSet::new();
+    for d in claimed {
+        acks.spawn(async move { (d.id(), d.ack().await) });
+    }
+    let others = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(joined) = acks.join_next().await {
+            let (id, result) = joined.expect("an ack task");
+            result.unwrap_or_else(|e| panic!("row {id}: ack failed: {e:?}"));
+        }
+    })
+    .await;
+    assert!(
+        others.is_ok(),
+        "the other rows' acks waited behind the one stuck on a row lock"
+    );
+    assert!(
+        !stuck_ack.is_finished(),
+        "the stuck ack finished while the lock was held"
+    );
+    drop(lock);
+    tokio::time::timeout(Duration::from_secs(10), stuck_ack)
+        .await
+        .expect("the stuck ack finishes once the lock goes")
+        .expect("the ack task")
+        .expect("the stuck ack");
+    for id in &ids {
+        assert_eq!(queue.row_state(*id).await.unwrap(), None, "row {id} acked");
+    }
+    assert_eq!(queue.metrics().acked, ids.len() as u64);
+    fx.cleanup().await;
+}
