@@ -303,6 +303,10 @@ impl<S: LeaseStrategy> LeaseStrategy for TimedStrategy<S> {
         }
         r
     }
+
+    fn release_kept(&self) {
+        self.inner.release_kept();
+    }
 }
 
 impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {

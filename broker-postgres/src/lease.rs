@@ -7,14 +7,14 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle, WarmConnections};
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, SettleStatements, Statements, ident, on_pool, query, settle_retries, ts,
-    with_retries,
+    Failed, Fence, SettleStatements, Statements, ident, on_pool, on_warm, query, settle_retries,
+    ts, with_retries,
 };
 
 /// The lease strategy of one PostgreSQL table.
@@ -31,6 +31,8 @@ pub struct PgLease {
     settle: SettleStatements,
     /// The ack of many rows (see `Statements::lease_ack_many`).
     ack_many: Arc<str>,
+    /// Connections kept from one claim or ack to the next.
+    warm: WarmConnections<Postgres>,
 }
 
 impl PgLease {
@@ -99,26 +101,39 @@ impl PgLease {
             renew: renew.into(),
             settle,
             ack_many,
+            warm: WarmConnections::default(),
         }
     }
 
     /// One try of a settlement: the rows it changed.
     async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<u64, Failed> {
-        let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
-        if self.prepared {
-            return self
-                .settle
+        let mut conn = self
+            .warm
+            .acquire(&self.pool)
+            .await
+            .map_err(Failed::new("acquire"))?;
+        let changed = if self.prepared {
+            self.settle
                 .run(&mut conn, settle, Fence::Lease(token))
-                .await;
+                .await
+        } else {
+            // Unnamed statements run inside a transaction (see `sql::on_pool`).
+            async {
+                let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
+                let changed = self
+                    .settle
+                    .run(&mut tx, settle, Fence::Lease(token))
+                    .await?;
+                tx.commit().await.map_err(Failed::new("commit"))?;
+                Ok(changed)
+            }
+            .await
+        };
+        match &changed {
+            Ok(_) => self.warm.keep(conn),
+            Err(_) => self.warm.release(),
         }
-        // Unnamed statements run inside a transaction (see `sql::on_pool`).
-        let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
-        let changed = self
-            .settle
-            .run(&mut tx, settle, Fence::Lease(token))
-            .await?;
-        tx.commit().await.map_err(Failed::new("commit"))?;
-        Ok(changed)
+        changed
     }
 
     /// Sends every statement unnamed, for a transaction-mode pooler.
@@ -161,12 +176,17 @@ impl LeaseStrategy for PgLease {
             if let Some(prefix) = &self.guard {
                 q = q.bind(fifo::window(limit)).bind(prefix.clone());
             }
-            on_pool(&self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
-                .await
-                .map_err(Failed::new("claim"))
+            on_warm(&self.warm, &self.pool, self.prepared, |c| {
+                Box::pin(q.fetch_all(c))
+            })
+            .await
+            .map_err(Failed::new("claim"))
         })
         .await
         .map_err(|e| e.on(self.table.name()))?;
+        // A claim that found fewer rows than it asked for: the table looks drained, and kept
+        // connections go back to the pool (so do those of acks until a claim fills again).
+        self.warm.claimed(rows.len() == limit);
         rows.into_iter()
             .map(|row| {
                 crate::backend::claimed(row, None)
@@ -230,9 +250,11 @@ impl LeaseStrategy for PgLease {
             .bind(&expiries)
             .bind(&attempts)
             .bind(now_ms);
-        let acked = on_pool(&self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
-            .await
-            .map_err(|e| Failed::new("ack many")(e).on(self.table.name()))?;
+        let acked = on_warm(&self.warm, &self.pool, self.prepared, |c| {
+            Box::pin(q.fetch_all(c))
+        })
+        .await
+        .map_err(|e| Failed::new("ack many")(e).on(self.table.name()))?;
         acked
             .iter()
             .map(|row| {
@@ -241,5 +263,9 @@ impl LeaseStrategy for PgLease {
             })
             .collect::<Result<Vec<i64>>>()
             .map(Some)
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }

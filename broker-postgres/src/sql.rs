@@ -146,6 +146,41 @@ pub(crate) async fn on_pool<T>(
     Ok(out)
 }
 
+/// [`on_pool`] on a connection kept from the last statement where there is one
+/// ([`WarmConnections`](broker_core::driver::WarmConnections)); the connection is kept again
+/// when `f` succeeds, and every kept one goes back to the pool when it fails (the server may
+/// have dropped them all).
+pub(crate) async fn on_warm<T>(
+    warm: &broker_core::driver::WarmConnections<sqlx::Postgres>,
+    pool: &sqlx::PgPool,
+    prepared: bool,
+    f: impl for<'c> FnOnce(&'c mut PgConnection) -> ConnFuture<'c, T>,
+) -> Result<T, sqlx::Error> {
+    use sqlx::Connection;
+    let mut conn = warm.acquire(pool).await?;
+    let out = if prepared {
+        f(&mut conn).await
+    } else {
+        async {
+            let mut tx = conn.begin().await?;
+            let out = f(&mut tx).await?;
+            tx.commit().await?;
+            Ok(out)
+        }
+        .await
+    };
+    match out {
+        Ok(out) => {
+            warm.keep(conn);
+            Ok(out)
+        }
+        Err(e) => {
+            warm.release();
+            Err(e)
+        }
+    }
+}
+
 /// The statements of one table, built once at subscribe time. Every statement names the queue
 /// table `q`, so the fragments below fit each of them.
 #[derive(Debug, Clone)]

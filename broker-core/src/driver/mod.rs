@@ -266,6 +266,10 @@ pub trait LeaseStrategy: Send + Sync + 'static {
         let _ = (acks, now_ms);
         async { Ok(None) }
     }
+
+    /// Gives back to the pool every connection kept for the next statement (see
+    /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
+    fn release_kept(&self) {}
 }
 
 /// Advisory mode: a key lock, on a connection of its own, holds every row with that key.

@@ -13,7 +13,7 @@
 //! drained.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
@@ -120,14 +120,16 @@ const KEEP_FOR: Duration = Duration::from_millis(250);
 /// At most this many connections are kept.
 const KEEP_AT_MOST: usize = 64;
 
-/// Connections a row lock strategy keeps between a settlement and its next claim, so a busy
-/// table's claims skip the pool (and its tests) as a hand-written loop does. They go back to
-/// the pool when a claim finds nothing (the table looks drained: what settles afterwards goes
-/// straight back), when a claim fails (the server may have dropped them all), when they wait
-/// longer than a quarter second, and when a subscription stops.
+/// Connections a strategy keeps between one statement and the next (row lock: between a
+/// settlement and the next claim; lease: between claims and acks), so a busy table's
+/// statements skip the pool (and its tests) as a hand-written loop does. They go back to the
+/// pool when a claim finds nothing (the table looks drained: what settles afterwards goes
+/// straight back), when a statement fails (the server may have dropped them all), when they
+/// wait longer than a quarter second (a clean-up task looks every quarter second while any is
+/// kept), and when a subscription stops.
 #[derive(Debug)]
 pub struct WarmConnections<DB: Database> {
-    state: Mutex<Warm<DB>>,
+    state: Arc<Mutex<Warm<DB>>>,
 }
 
 #[derive(Debug)]
@@ -135,15 +137,18 @@ struct Warm<DB: Database> {
     idle: Vec<(PoolConnection<DB>, Instant)>,
     /// The last claim found nothing.
     drained: bool,
+    /// A clean-up task runs.
+    sweeping: bool,
 }
 
 impl<DB: Database> Default for WarmConnections<DB> {
     fn default() -> Self {
         Self {
-            state: Mutex::new(Warm {
+            state: Arc::new(Mutex::new(Warm {
                 idle: Vec::new(),
                 drained: false,
-            }),
+                sweeping: false,
+            })),
         }
     }
 }
@@ -166,20 +171,47 @@ impl<DB: Database> WarmConnections<DB> {
         }
     }
 
-    /// Keeps the connection of a transaction that committed, for the next claim; unless the
-    /// table looked drained at the last claim.
+    /// Keeps a connection whose statement (or transaction) ended well, for the next one;
+    /// unless the table looked drained at the last claim, or there is no runtime to give it
+    /// back later.
     pub fn keep(&self, conn: PoolConnection<DB>) {
-        let give_back = {
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let (give_back, sweep) = {
             let mut w = self.lock();
             let mut stale = w.stale();
-            if w.drained || w.idle.len() >= KEEP_AT_MOST {
-                stale.push(conn);
-            } else {
-                w.idle.push((conn, Instant::now()));
+            let mut sweep = false;
+            match &runtime {
+                Some(_) if !w.drained && w.idle.len() < KEEP_AT_MOST => {
+                    w.idle.push((conn, Instant::now()));
+                    sweep = !w.sweeping;
+                    w.sweeping = true;
+                }
+                _ => stale.push(conn),
             }
-            stale
+            (stale, sweep)
         };
         drop(give_back);
+        if let (true, Some(runtime)) = (sweep, runtime) {
+            let state = Arc::downgrade(&self.state);
+            runtime.spawn(async move {
+                loop {
+                    tokio::time::sleep(KEEP_FOR).await;
+                    let Some(state) = state.upgrade() else { return };
+                    let stale = {
+                        let mut w = state.lock().unwrap_or_else(|p| p.into_inner());
+                        let stale = w.stale();
+                        if w.idle.is_empty() {
+                            w.sweeping = false;
+                            drop(w);
+                            drop(stale);
+                            return;
+                        }
+                        stale
+                    };
+                    drop(stale);
+                }
+            });
+        }
     }
 
     /// Records what a claim found: with nothing found, every kept connection goes back to the

@@ -47,6 +47,11 @@ impl<B: Backend> LeaseMode<B> {
             acks: Arc::default(),
         }
     }
+
+    /// Gives back the connections the strategy keeps for its next statement.
+    pub(crate) fn release_kept(&self) {
+        self.strategy.release_kept();
+    }
 }
 
 /// One ack waiting for an ack statement.

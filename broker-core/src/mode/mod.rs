@@ -78,11 +78,13 @@ impl<B: Backend> QueueInner<B> {
 }
 
 impl<B: Backend> QueueInner<B> {
-    /// Gives back what the mode keeps for the next claim (row lock: warm connections), as a
-    /// subscription stops.
+    /// Gives back what the mode keeps for the next claim (warm connections), as a subscription
+    /// stops.
     pub(crate) fn release_kept(&self) {
-        if let Mode::RowLock(s) = &self.mode {
-            s.release_kept();
+        match &self.mode {
+            Mode::RowLock(s) => s.release_kept(),
+            Mode::Lease(s) => s.release_kept(),
+            Mode::Advisory(_) => {}
         }
     }
 }
