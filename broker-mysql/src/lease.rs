@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle, WarmConnections};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
 
@@ -45,6 +45,8 @@ pub struct MySqlLease {
     /// parts, `None` where rows are acked one at a time (MySQL has no `RETURNING`; no
     /// `UPDATE .. RETURNING` on MariaDB for tables that keep acked rows).
     ack_many: Option<AckMany>,
+    /// Connections kept from one claim or ack to the next.
+    warm: WarmConnections<MySql>,
 }
 
 /// The ack of many rows on MariaDB: `{head}{ids}) AND ({fences}) ORDER BY id LIMIT n{tail}`.
@@ -157,6 +159,7 @@ impl MySqlLease {
             renew,
             settle,
             ack_many,
+            warm: WarmConnections::default(),
             table,
         }
     }
@@ -176,13 +179,35 @@ impl MySqlLease {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
 
+    /// A connection kept from the last statement, or one from the pool.
+    async fn conn(&self) -> Result<Conn> {
+        let conn = self
+            .warm
+            .acquire(&self.pool)
+            .await
+            .map_err(self.err("acquire"))?;
+        Ok(Conn::guard(conn))
+    }
+
+    /// Keeps `conn` for the next statement when `out` went well; otherwise gives it and every
+    /// kept one back to the pool (the server may have dropped them all).
+    fn done<T>(&self, conn: Conn, out: &Result<T>) {
+        match out {
+            Ok(_) => self.warm.keep(conn.into_inner()),
+            Err(_) => {
+                conn.finish();
+                self.warm.release();
+            }
+        }
+    }
+
     async fn claim_once(
         &self,
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let mut conn = self.conn().await?;
         let mut skip = 0;
         for _ in 0..PAGES {
             // An error leaves `conn` armed, so it is closed (see `Window::read`).
@@ -200,10 +225,15 @@ impl MySqlLease {
                 skip = window.next_skip(skip);
                 continue;
             }
-            conn.finish();
+            // A claim that found fewer rows than it asked for: the table looks drained, and
+            // kept connections go back to the pool (so do those of acks until a claim fills).
+            let full = matches!(&out, Ok(rows) if rows.len() == limit);
+            self.done(conn, &out);
+            self.warm.claimed(full);
             return out;
         }
         conn.finish();
+        self.warm.claimed(false);
         Ok(Vec::new())
     }
 
@@ -289,12 +319,12 @@ impl MySqlLease {
     }
 
     async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let mut conn = self.conn().await?;
         let out = self
             .settle
             .run(&mut conn, self.table.name(), settle, Some(token), false)
             .await;
-        conn.finish();
+        self.done(conn, &out);
         out
     }
 }
@@ -308,7 +338,16 @@ impl LeaseStrategy for MySqlLease {
         now_ms: i64,
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
-        retrying(|| self.claim_once(limit, now_ms, expires_ms)).await
+        retrying(|| async {
+            let out = self.claim_once(limit, now_ms, expires_ms).await;
+            if out.is_err() {
+                // The server may have dropped every kept connection; the retry takes tested
+                // ones.
+                self.warm.release();
+            }
+            out
+        })
+        .await
     }
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
@@ -345,13 +384,17 @@ impl LeaseStrategy for MySqlLease {
                 .bind(whole_seconds(token.expires_ms))
                 .bind(token.attempt);
         }
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
-        let rows = q.fetch_all(&mut *conn).await;
-        conn.finish();
-        let rows = rows.map_err(self.err("ack many"))?;
+        let mut conn = self.conn().await?;
+        let rows = q.fetch_all(&mut *conn).await.map_err(self.err("ack many"));
+        self.done(conn, &rows);
+        let rows = rows?;
         rows.iter()
             .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))
             .collect::<Result<Vec<i64>>>()
             .map(Some)
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }
