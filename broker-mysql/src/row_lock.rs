@@ -17,7 +17,7 @@ use broker_core::driver::{
 };
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
-use sqlx::{MySql, MySqlPool};
+use sqlx::{MySql, MySqlPool, SqlSafeStr};
 
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
@@ -95,9 +95,12 @@ impl MySqlRowLock {
                 conn.finish();
                 return Ok(None);
             }
-            let mut tx = RowTransaction::begin(conn.into_inner(), Some(&self.begin))
-                .await
-                .map_err(self.err("begin"))?;
+            let mut tx = RowTransaction::begin(
+                conn.into_inner(),
+                Some(sqlx::AssertSqlSafe(self.begin.clone()).into_sql_str()),
+            )
+            .await
+            .map_err(self.err("begin"))?;
             let taken = self
                 .window
                 .take(window.run(), 1, now_ms)

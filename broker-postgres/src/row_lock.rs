@@ -17,7 +17,7 @@ use broker_core::driver::{
     Action, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
-use sqlx::{Executor, PgPool, Postgres};
+use sqlx::{Executor, PgPool, Postgres, SqlStr};
 
 use crate::fifo;
 use crate::sql::{Failed, Fence, SettleStatements, Statements, query, with_retries};
@@ -119,7 +119,7 @@ impl PgRowLock {
             .acquire(&self.pool)
             .await
             .map_err(Failed::new("claim acquire"))?;
-        let mut tx = RowTransaction::begin(conn, self.begin)
+        let mut tx = RowTransaction::begin(conn, self.begin.map(SqlStr::from_static))
             .await
             .map_err(Failed::new("claim begin"))?;
         let mut q = query(&self.claim, self.prepared).bind(now_ms);

@@ -166,6 +166,24 @@ pub trait TestDb: Send + Sync + 'static {
     }
 }
 
+/// [`TestDb::hold_row_lock`] for a server database: runs `sql` in a transaction of its own on
+/// `pool` and returns the open transaction.
+pub async fn hold_row_lock_on<DB: Database>(
+    pool: &sqlx::Pool<DB>,
+    sql: &str,
+) -> Box<dyn std::any::Any + Send>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    Box::new(tx)
+}
+
 /// Appends a line to the fault report (`$SQLX_BROKER_REPORT_DIR/faults.txt`, by default in the
 /// temp folder), so a run's figures survive cargo's capture of passing tests' output; `.ci/run`
 /// prints the report at the end.

@@ -20,7 +20,7 @@ pub(crate) mod settlements;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
-    claim_within, describe, report, subscribe_counting, unique_name, wait_until,
+    claim_within, describe, hold_row_lock_on, report, subscribe_counting, unique_name, wait_until,
     wait_until_rows_gone,
 };
 

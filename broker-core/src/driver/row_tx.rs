@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Database, Pool, SqlSafeStr};
+use sqlx::{Database, Pool, SqlStr};
 use sqlx_core::transaction::TransactionManager;
 
 /// The open transaction of a row lock delivery. It dereferences to the connection, so
@@ -49,9 +49,8 @@ impl<DB: Database> RowTransaction<DB> {
     /// it).
     pub async fn begin(
         mut conn: PoolConnection<DB>,
-        statement: Option<&str>,
+        statement: Option<SqlStr>,
     ) -> Result<Self, sqlx::Error> {
-        let statement = statement.map(|s| AssertSqlSafe(s.to_owned()).into_sql_str());
         DB::TransactionManager::begin(&mut conn, statement).await?;
         Ok(Self { conn: Some(conn) })
     }

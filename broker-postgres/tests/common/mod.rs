@@ -307,12 +307,7 @@ impl broker_testkit::TestDb for Pg {
     const BATCHED_ACKS: bool = true;
 
     async fn hold_row_lock(broker: &PgBroker, sql: &str) -> Option<Box<dyn std::any::Any + Send>> {
-        let mut tx = broker.pool().begin().await.expect("begin");
-        sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
-            .execute(&mut *tx)
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"));
-        Some(Box::new(tx))
+        Some(broker_testkit::hold_row_lock_on(broker.pool(), sql).await)
     }
 
     async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
