@@ -46,6 +46,14 @@ fn limit(batch: usize) -> i64 {
     i64::try_from(batch).unwrap_or(i64::MAX)
 }
 
+/// Whether the server rolled the statement's transaction back as a deadlock victim (SQLSTATE
+/// 40001: MySQL/MariaDB error 1213): a hand-written loop runs it again, as any correct loop on
+/// InnoDB must (claims that lock with `SKIP LOCKED` and deletes of claimed rows can still meet
+/// in a deadlock; seen once in CI on MariaDB lease at 8 workers, batch 16).
+fn deadlocked(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("40001"))
+}
+
 /// Lease length the hand-written lease loops write (they finish long before it runs out).
 const LEASE_SECONDS: i64 = 30;
 
@@ -275,32 +283,53 @@ pub async fn mysql(
                         let idle = sh.idle_signal();
                         tokio::pin!(idle);
                         idle.as_mut().enable();
-                        let mut tx = conn.begin().await?;
-                        let rows: Vec<(i64, i32, String)> =
-                            sqlx::query_as(q(&select)).fetch_all(&mut *tx).await?;
+                        let claimed = async {
+                            let mut tx = conn.begin().await?;
+                            let rows: Vec<(i64, i32, String)> =
+                                sqlx::query_as(q(&select)).fetch_all(&mut *tx).await?;
+                            if rows.is_empty() {
+                                tx.rollback().await?;
+                                return Ok(rows);
+                            }
+                            // One text per row count (at most the batch size), so each is
+                            // prepared once and then served from the connection's statement
+                            // cache.
+                            let marks = vec!["?"; rows.len()].join(",");
+                            let mut update = sqlx::query(AssertSqlSafe(format!(
+                                "UPDATE {t} SET locked_until = UTC_TIMESTAMP(6) + INTERVAL {LEASE_SECONDS} SECOND, \
+                                 attempt = attempt + 1 WHERE id IN ({marks})"
+                            )));
+                            for r in &rows {
+                                update = update.bind(r.0);
+                            }
+                            update.execute(&mut *tx).await?;
+                            tx.commit().await?;
+                            Ok::<_, sqlx::Error>(rows)
+                        }
+                        .await;
+                        let rows = match claimed {
+                            Ok(rows) => rows,
+                            // Rolled back: nothing was claimed; claim again.
+                            Err(e) if deadlocked(&e) => continue,
+                            Err(e) => return Err(e.into()),
+                        };
                         if rows.is_empty() {
-                            tx.rollback().await?;
                             sh.idle(idle).await;
                             continue;
                         }
-                        // One text per row count (at most the batch size), so each is prepared
-                        // once and then served from the connection's statement cache.
-                        let marks = vec!["?"; rows.len()].join(",");
-                        let mut update = sqlx::query(AssertSqlSafe(format!(
-                            "UPDATE {t} SET locked_until = UTC_TIMESTAMP(6) + INTERVAL {LEASE_SECONDS} SECOND, \
-                             attempt = attempt + 1 WHERE id IN ({marks})"
-                        )));
-                        for r in &rows {
-                            update = update.bind(r.0);
-                        }
-                        update.execute(&mut *tx).await?;
-                        tx.commit().await?;
                         for (id, attempt, _payload) in rows {
-                            let done = sqlx::query(q(&delete))
-                                .bind(id)
-                                .bind(attempt + 1)
-                                .execute(&mut conn)
-                                .await?;
+                            // Fenced on the claim's attempt, so running it again is safe.
+                            let done = loop {
+                                match sqlx::query(q(&delete))
+                                    .bind(id)
+                                    .bind(attempt + 1)
+                                    .execute(&mut conn)
+                                    .await
+                                {
+                                    Err(e) if deadlocked(&e) => continue,
+                                    other => break other?,
+                                }
+                            };
                             sh.fenced(id, done.rows_affected())?;
                         }
                     }
