@@ -13,6 +13,19 @@ use broker_core::{DeadLetter, TableDescription};
 
 use crate::sql::{Statements, ident};
 
+/// `AND` conditions that the row `alias` is unfinished (not processed, not dead); empty when
+/// every row in the table is.
+fn unfinished(t: &TableDescription, alias: &str) -> String {
+    let mut out = String::new();
+    if let Some(c) = t.processed_at() {
+        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
+    }
+    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
+        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
+    }
+    out
+}
+
 /// The condition that the row `q` is the head of its group, for FIFO tables.
 pub(crate) fn head_condition(t: &TableDescription) -> Option<String> {
     if !t.fifo() {
@@ -21,13 +34,7 @@ pub(crate) fn head_condition(t: &TableDescription) -> Option<String> {
     let group = ident(t.group()?);
     let table = ident(t.name());
     let id = ident(t.id());
-    let mut unfinished = String::new();
-    if let Some(c) = t.processed_at() {
-        unfinished.push_str(&format!(" AND h.{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        unfinished.push_str(&format!(" AND h.{} IS NULL", ident(c)));
-    }
+    let unfinished = unfinished(t, "h");
     Some(format!(
         "NOT EXISTS (SELECT 1 FROM {table} AS h WHERE h.{group} = q.{group} AND h.{id} < q.{id}{unfinished})"
     ))
@@ -38,9 +45,73 @@ pub(crate) fn guard_prefix(t: &TableDescription) -> String {
     format!("{}:", t.name())
 }
 
+/// The CTEs of a FIFO claim, ending in `sqlx_broker_cand (id)`: at most `take` rows that the
+/// claim may take, each either without a group or the head of its group with the group's guard
+/// now held by this transaction. `$1` is the host's now, `cursor` the parameter holding the
+/// group the subscription's last claim took (text, NULL at first), `prefix` the one holding
+/// [`guard_prefix`]. The statement must begin `WITH RECURSIVE`.
+///
+/// The claim visits groups, not rows: a loose index scan over the group index (each step one
+/// probe for the next group after the one before) from just after `cursor` to the end and then
+/// from the start up to `cursor`, and for each group one probe for its head (its first
+/// unfinished row), which is taken if it is due, free and its guard is free. So a group's
+/// backlog costs one probe however many rows it holds, and the groups take turns: the next
+/// claim starts where this one stopped. PostgreSQL evaluates the recursion only as far as the
+/// outer `LIMIT` pulls it (every step stays lazy: no sort, no aggregate above it), so a claim
+/// visits the groups in work or not due near the cursor and stops at the `take`-th head it
+/// gets; the guard is tried only on heads that are due and free (fenced with `OFFSET 0`).
+/// Rows without a group come first, in the claim order, through the claim index over them.
+pub(crate) fn head_candidates(
+    s: &Statements,
+    t: &TableDescription,
+    group: &str,
+    take: &str,
+    cursor: &str,
+    prefix: &str,
+) -> String {
+    let (tbl, id, g) = (&s.table, &s.id, ident(group));
+    let next = |after: &str| {
+        format!(
+            "(SELECT n.{g} FROM {tbl} AS n WHERE n.{g} > {after}{unf} ORDER BY n.{g} LIMIT 1)",
+            unf = unfinished(t, "n")
+        )
+    };
+    let first = format!(
+        "(SELECT n.{g} FROM {tbl} AS n WHERE n.{g} IS NOT NULL{unf} ORDER BY n.{g} LIMIT 1)",
+        unf = unfinished(t, "n")
+    );
+    format!(
+        "sqlx_broker_after (g) AS (SELECT {first_after} \
+         UNION ALL SELECT {step_after} FROM sqlx_broker_after AS a WHERE a.g IS NOT NULL), \
+         sqlx_broker_upto (g) AS (SELECT {first} \
+         UNION ALL SELECT {step_upto} FROM sqlx_broker_upto AS u \
+         WHERE u.g IS NOT NULL AND ({cursor}::text IS NULL OR u.g < {cursor}::text)), \
+         sqlx_broker_cand AS (SELECT c.id FROM (\
+         (SELECT q.{id} AS id, NULL::text AS g FROM {tbl} AS q WHERE q.{g} IS NULL AND {claimable} \
+         ORDER BY {order} LIMIT {take}) \
+         UNION ALL \
+         (SELECT h.id, h.g FROM (SELECT g FROM sqlx_broker_after WHERE g IS NOT NULL \
+         UNION ALL SELECT g FROM sqlx_broker_upto \
+         WHERE g IS NOT NULL AND ({cursor}::text IS NULL OR g <= {cursor}::text)) AS s \
+         CROSS JOIN LATERAL (SELECT q.{id} AS id, q.{g}::text AS g, ({claimable}) AS ok FROM {tbl} AS q \
+         WHERE q.{g} = s.g{unf_q} ORDER BY q.{id} LIMIT 1) AS h WHERE h.ok) \
+         OFFSET 0) AS c \
+         WHERE c.g IS NULL OR pg_try_advisory_xact_lock(hashtextextended({prefix}::text || c.g, 0)) \
+         LIMIT {take})",
+        first_after = next(&format!("{cursor}::text")),
+        step_after = next("a.g"),
+        step_upto = next("u.g"),
+        claimable = s.claimable_row,
+        order = s.order,
+        unf_q = unfinished(t, "q"),
+    )
+}
+
 /// A CTE `sqlx_broker_cand (id)`: claimable rows `q` (with `extra` conditions) in claim order,
 /// at most `window` of them, then those whose group guard this transaction takes, at most
-/// `take`. `prefix` is the parameter holding [`guard_prefix`].
+/// `take`. `prefix` is the parameter holding [`guard_prefix`]. The advisory take uses it with
+/// `extra` naming the one row it takes; the claims of the other modes visit groups instead
+/// ([`head_candidates`]).
 ///
 /// The inner select is fenced with `OFFSET 0` and the guard sits in the outer `WHERE` with its
 /// own `LIMIT`: the planner cannot push the lock into the scan of every due row (which would
@@ -65,9 +136,4 @@ pub(crate) fn candidates(
         claimable = s.claimable,
         order = s.order,
     )
-}
-
-/// How many rows a FIFO claim looks at to find `limit` heads whose groups are free.
-pub(crate) fn window(limit: usize) -> i64 {
-    i64::try_from(limit.saturating_mul(4).max(64)).unwrap_or(i64::MAX)
 }

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle, WarmConnections};
+use broker_core::driver::{
+    ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Settle, WarmConnections,
+};
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
@@ -27,6 +29,8 @@ pub struct PgLease {
     claim: Arc<str>,
     /// FIFO tables: the guard prefix the claim binds.
     guard: Option<String>,
+    /// FIFO tables: where the next claim starts its visit of the groups.
+    cursor: GroupCursor,
     renew: Arc<str>,
     settle: SettleStatements,
     /// The ack of many rows (see `Statements::lease_ack_many`).
@@ -39,14 +43,14 @@ impl PgLease {
     pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
         let s = Statements::new(&table, columns);
         let lu = ident(table.locked_until().expect("lease mode has locked_until"));
-        // $1 now, $2 expiry, $3 limit; FIFO: $4 window, $5 guard prefix.
+        // $1 now, $2 expiry, $3 limit; FIFO: $4 cursor, $5 guard prefix.
         let (picked, guard) = match table.group().filter(|_| table.fifo()) {
             Some(group) => (
                 format!(
                     "{cand}, sqlx_broker_picked AS (SELECT q.{id} AS id FROM {t} AS q \
                      WHERE q.{id} IN (SELECT id FROM sqlx_broker_cand) AND {claimable} \
                      FOR UPDATE OF q SKIP LOCKED)",
-                    cand = fifo::candidates(&s, group, "", "$4::int8", "$3::int8", "$5"),
+                    cand = fifo::head_candidates(&s, &table, group, "$3::int8", "$4", "$5"),
                     id = s.id,
                     t = s.table,
                     claimable = s.claimable,
@@ -68,7 +72,7 @@ impl PgLease {
         // The UPDATE's RETURNING sees the counted attempt; the outer select hands the rows back
         // in claim order.
         let claim = format!(
-            "WITH {picked}, sqlx_broker_claimed AS (\
+            "WITH {recursive}{picked}, sqlx_broker_claimed AS (\
              UPDATE {t} AS q SET {lu} = {expiry}, {a} = q.{a} + 1 FROM sqlx_broker_picked AS p \
              WHERE q.{id} = p.id RETURNING {columns}) \
              SELECT * FROM sqlx_broker_claimed ORDER BY {order_out}",
@@ -76,6 +80,7 @@ impl PgLease {
             expiry = ts("$2"),
             a = s.attempt,
             id = s.id,
+            recursive = if guard.is_some() { "RECURSIVE " } else { "" },
             columns = s.claimed_columns(true),
             order_out = s.order_out,
         );
@@ -98,6 +103,7 @@ impl PgLease {
             table,
             claim: claim.into(),
             guard,
+            cursor: GroupCursor::default(),
             renew: renew.into(),
             settle,
             ack_many,
@@ -168,13 +174,14 @@ impl LeaseStrategy for PgLease {
         now_ms: i64,
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
+        let from = self.guard.as_ref().map(|_| self.cursor.get());
         let rows = with_retries(|| async {
             let mut q = query(&self.claim, self.prepared)
                 .bind(now_ms)
                 .bind(expires_ms)
                 .bind(i64::try_from(limit).unwrap_or(i64::MAX));
-            if let Some(prefix) = &self.guard {
-                q = q.bind(fifo::window(limit)).bind(prefix.clone());
+            if let (Some(prefix), Some(from)) = (&self.guard, &from) {
+                q = q.bind(from.clone()).bind(prefix.clone());
             }
             on_warm(&self.warm, &self.pool, self.prepared, |c| {
                 Box::pin(q.fetch_all(c))
@@ -187,6 +194,15 @@ impl LeaseStrategy for PgLease {
         // A claim that found fewer rows than it asked for: the table looks drained, and kept
         // connections go back to the pool (so do those of acks until a claim fills again).
         self.warm.claimed(rows.len() == limit);
+        if let (Some(from), Some(group)) = (&from, self.table.group()) {
+            let took = rows
+                .iter()
+                .map(|row| row.try_get::<Option<String>, _>(group))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| Failed::new("claim")(e).on(self.table.name()))?;
+            self.cursor
+                .advance(from.as_deref(), took.iter().flatten().map(String::as_str));
+        }
         rows.into_iter()
             .map(|row| {
                 crate::backend::claimed(row, None)

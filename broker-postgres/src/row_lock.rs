@@ -14,10 +14,10 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+    Action, GroupCursor, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
-use sqlx::{Executor, PgPool, Postgres, SqlStr};
+use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
 
 use crate::fifo;
 use crate::sql::{Failed, Fence, SettleStatements, Statements, query, with_retries};
@@ -37,6 +37,8 @@ pub struct PgRowLock {
     claim: Arc<str>,
     /// FIFO tables: the guard prefix the claim binds.
     guard: Option<String>,
+    /// FIFO tables: where the next claim starts its visit of the groups.
+    cursor: GroupCursor,
     settle: SettleStatements,
     /// Connections of committed deliveries, kept for the next claim.
     warm: WarmConnections<Postgres>,
@@ -47,13 +49,13 @@ impl PgRowLock {
         let s = Statements::new(&table, columns);
         let columns = s.claimed_columns(false);
         let (claim, guard) = match table.group().filter(|_| table.fifo()) {
-            // $1 now, $2 window, $3 guard prefix.
+            // $1 now, $2 cursor, $3 guard prefix.
             Some(group) => (
                 format!(
-                    "WITH {cand} SELECT {columns} FROM {t} AS q \
+                    "WITH RECURSIVE {cand} SELECT {columns} FROM {t} AS q \
                      WHERE q.{id} IN (SELECT id FROM sqlx_broker_cand) AND {claimable} \
                      FOR UPDATE OF q SKIP LOCKED",
-                    cand = fifo::candidates(&s, group, "", "$2::int8", "1", "$3"),
+                    cand = fifo::head_candidates(&s, &table, group, "1", "$2", "$3"),
                     t = s.table,
                     id = s.id,
                     claimable = s.claimable,
@@ -85,6 +87,7 @@ impl PgRowLock {
             begin,
             claim: claim.into(),
             guard,
+            cursor: GroupCursor::default(),
             settle,
             warm: WarmConnections::default(),
         }
@@ -123,8 +126,9 @@ impl PgRowLock {
             .await
             .map_err(Failed::new("claim begin"))?;
         let mut q = query(&self.claim, self.prepared).bind(now_ms);
-        if let Some(prefix) = &self.guard {
-            q = q.bind(fifo::window(1)).bind(prefix.clone());
+        let from = self.guard.as_ref().map(|_| self.cursor.get());
+        if let (Some(prefix), Some(from)) = (&self.guard, &from) {
+            q = q.bind(from.clone()).bind(prefix.clone());
         }
         let row = q
             .fetch_optional(&mut *tx)
@@ -135,6 +139,10 @@ impl PgRowLock {
             tx.rollback().await.map_err(Failed::new("claim rollback"))?;
             return Ok(None);
         };
+        if let (Some(from), Some(group)) = (&from, self.table.group()) {
+            let took: Option<String> = row.try_get(group).map_err(Failed::new("claim"))?;
+            self.cursor.advance(from.as_deref(), took.as_deref());
+        }
         let claimed = crate::backend::claimed(row, None).map_err(Failed::new("claim"))?;
         Ok(Some((tx, claimed)))
     }

@@ -82,8 +82,10 @@ fn index_name(table: &str, suffix: &str) -> String {
 }
 
 /// The DDL of a description: the table, the index the claim reads (partial: only unfinished
-/// rows, in claim order: priority, due time, id), the group index FIFO heads need, and the dead-letter table with the
-/// same columns in the same order (so a row moves with `INSERT .. SELECT *`).
+/// rows, in claim order: priority, due time, id; on a FIFO table only the rows without a
+/// group), the group index (group, id) over unfinished rows that a FIFO claim visits the groups
+/// and finds their heads through, and the dead-letter table with the same columns in the same
+/// order (so a row moves with `INSERT .. SELECT *`).
 pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
     let mut out = vec![format!(
@@ -131,7 +133,7 @@ fn claim_index_columns(t: &TableDescription) -> Vec<String> {
 /// id's. An index on (id) alone would duplicate the key and cost every insert a second write.
 pub(crate) fn claim_index(t: &TableDescription) -> Option<String> {
     let cols = claim_index_columns(t);
-    let partial = partial(t);
+    let partial = where_clause(claim_rows(t));
     if cols.len() == 1 && partial.is_empty() {
         return None;
     }
@@ -143,9 +145,9 @@ pub(crate) fn claim_index(t: &TableDescription) -> Option<String> {
     ))
 }
 
-/// The `WHERE` of a partial index over unfinished rows; empty when every row is unfinished (an
-/// ack deletes, a dead letter moves).
-fn partial(t: &TableDescription) -> String {
+/// The conditions of unfinished rows; none when every row is unfinished (an ack deletes, a dead
+/// letter moves).
+fn unfinished(t: &TableDescription) -> Vec<String> {
     let mut unfinished = Vec::new();
     if let Some(c) = t.processed_at() {
         unfinished.push(format!("{} IS NULL", ident(c)));
@@ -153,11 +155,31 @@ fn partial(t: &TableDescription) -> String {
     if let Some(DeadLetter::Column(c)) = t.dead_letter() {
         unfinished.push(format!("{} IS NULL", ident(c)));
     }
-    if unfinished.is_empty() {
+    unfinished
+}
+
+/// The rows the claim index holds: the unfinished ones, and on a FIFO table only those without
+/// a group (a FIFO claim reaches grouped rows through the group index, group by group).
+fn claim_rows(t: &TableDescription) -> Vec<String> {
+    let mut rows = unfinished(t);
+    if let Some(g) = t.group().filter(|_| t.fifo()) {
+        rows.push(format!("{} IS NULL", ident(g)));
+    }
+    rows
+}
+
+/// The `WHERE` of a partial index over the rows that meet `conditions`; empty for none.
+fn where_clause(conditions: Vec<String>) -> String {
+    if conditions.is_empty() {
         String::new()
     } else {
-        format!(" WHERE {}", unfinished.join(" AND "))
+        format!(" WHERE {}", conditions.join(" AND "))
     }
+}
+
+/// The `WHERE` of a partial index over unfinished rows; empty when every row is unfinished.
+fn partial(t: &TableDescription) -> String {
+    where_clause(unfinished(t))
 }
 
 /// The indexes of `t` that are missing or not what the claim reads (see [`ddl`]). The claim
@@ -170,12 +192,12 @@ pub(crate) async fn index_advice(
     t: &TableDescription,
     prepared: bool,
 ) -> Result<Vec<IndexAdvice>, sqlx::Error> {
-    let found: Vec<(String, Vec<String>, bool)> = read_by_table(
+    let found: Vec<(String, Vec<String>, String)> = read_by_table(
         conn,
         "SELECT c.relname::text, \
          ARRAY(SELECT pg_get_indexdef(i.indexrelid, k, true) \
                FROM generate_series(1, i.indnkeyatts::int) AS k ORDER BY k)::text[], \
-         i.indpred IS NOT NULL \
+         COALESCE(pg_get_expr(i.indpred, i.indrelid, true), '') \
          FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid \
          WHERE i.indrelid = to_regclass($1::text)",
         &ident(t.name()),
@@ -184,7 +206,18 @@ pub(crate) async fn index_advice(
     .await?;
     // Key columns as pg_get_indexdef prints them, quotes dropped.
     let plain = |s: &str| s.replace('"', "");
-    let mut wanted: Vec<(String, Vec<String>, bool, String)> = Vec::new();
+    // A partial index's conditions, as a sorted list whatever the parentheses and quotes.
+    let conditions = |s: &str| {
+        let s = s.replace(['(', ')', '"'], "");
+        let mut c: Vec<String> = s
+            .split(" AND ")
+            .map(|c| c.trim().to_owned())
+            .filter(|c| !c.is_empty())
+            .collect();
+        c.sort();
+        c
+    };
+    let mut wanted: Vec<(String, Vec<String>, Vec<String>, String)> = Vec::new();
     if let Some(sql) = claim_index(t) {
         let mut keys: Vec<String> = t.priority().into_iter().map(plain).collect();
         if let Some(c) = t.due_at() {
@@ -197,7 +230,7 @@ pub(crate) async fn index_advice(
         wanted.push((
             index_name(t.name(), "claim"),
             keys,
-            !partial(t).is_empty(),
+            conditions(&claim_rows(t).join(" AND ")),
             sql,
         ));
     }
@@ -209,30 +242,37 @@ pub(crate) async fn index_advice(
         wanted.push((
             index_name(t.name(), "group"),
             vec![plain(g), plain(t.id())],
-            !partial(t).is_empty(),
+            conditions(&unfinished(t).join(" AND ")),
             sql,
         ));
     }
+    let shown = |keys: &[String], rows: &[String]| {
+        let mut out = format!("({})", keys.join(", "));
+        if !rows.is_empty() {
+            out.push_str(&format!(" where {}", rows.join(" and ")));
+        }
+        out
+    };
     let mut out = Vec::new();
-    for (name, keys, partial, sql) in wanted {
-        let fits = |(_, k, p): &&(String, Vec<String>, bool)| {
-            *p == partial && k.iter().map(|c| plain(c)).eq(keys.iter().cloned())
+    for (name, keys, rows, sql) in wanted {
+        let fits = |(_, k, p): &&(String, Vec<String>, String)| {
+            conditions(p) == rows && k.iter().map(|c| plain(c)).eq(keys.iter().cloned())
         };
         if found.iter().any(|f| fits(&f)) {
             continue;
         }
         match found.iter().find(|(n, _, _)| *n == name) {
-            Some((_, k, _)) => out.push(IndexAdvice {
+            Some((_, k, p)) => out.push(IndexAdvice {
                 found: format!(
-                    "index \"{name}\" is on ({}), not the claim's order ({})",
-                    k.join(", "),
-                    keys.join(", ")
+                    "index \"{name}\" is on {}, not what the claim reads: {}",
+                    shown(k, &conditions(p)),
+                    shown(&keys, &rows)
                 ),
                 fix: vec![format!("DROP INDEX {}", ident(&name)), sql],
                 name,
             }),
             None => out.push(IndexAdvice {
-                found: format!("no index on ({})", keys.join(", ")),
+                found: format!("no index on {}", shown(&keys, &rows)),
                 fix: vec![sql],
                 name,
             }),

@@ -190,6 +190,8 @@ pub(crate) struct Statements {
     pub(crate) attempt: String,
     /// `WHERE` conditions of a claimable row `q`; `$1` is the host's now (unix ms).
     pub(crate) claimable: String,
+    /// The same without the FIFO head condition: the row is due and free, whatever its group.
+    pub(crate) claimable_row: String,
     /// `ORDER BY` of a claim, on `q`.
     pub(crate) order: String,
     /// The same order on the unqualified columns, for ordering a CTE's output.
@@ -225,13 +227,14 @@ impl Statements {
             let c = ident(c);
             claimable.push(format!("(q.{c} IS NULL OR q.{c} <= {})", ts("$1")));
         }
-        if let Some(head) = fifo::head_condition(t) {
-            claimable.push(head);
-        }
         if t.due_at().is_none() && t.locked_until().is_none() {
             // No time condition reads the host's now, but every claim binds it as $1: keep the
             // parameter in the statement, typed, so the bind count and types still match.
             claimable.push("$1::int8 IS NOT NULL".into());
+        }
+        let claimable_row = claimable.join(" AND ");
+        if let Some(head) = fifo::head_condition(t) {
+            claimable.push(head);
         }
         let mut order = Vec::new();
         let mut order_out = Vec::new();
@@ -252,6 +255,7 @@ impl Statements {
             id,
             attempt,
             claimable: claimable.join(" AND "),
+            claimable_row,
             order,
             order_out,
             payload: t.payload().map(|(p, _)| ident(p)),

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -18,6 +18,8 @@ pub struct SqliteLease {
     /// The file's shared state: writes take turns through it.
     file: Arc<KeyTable>,
     claim: String,
+    /// FIFO tables: where the next claim starts its visit of the groups.
+    cursor: Option<GroupCursor>,
     renew: String,
     settle: SettleStatements,
     /// The ack of many rows up to its id lists (see [`SqliteLease::ack_many_sql`]).
@@ -33,14 +35,26 @@ impl SqliteLease {
         let s = Statements::new(&table);
         let lu = ident(table.locked_until().expect("lease mode has locked_until"));
         // Rows come back from RETURNING in no particular order; the engine does not rely on it.
+        // $1 now, $2 expiry, $3 limit; FIFO: $4 the group cursor.
+        let picked = match table.group().filter(|_| table.fifo()) {
+            Some(group) => crate::fifo::head_candidates(&s, &table, group, "?3", "?4"),
+            None => format!(
+                "SELECT {id} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT ?3",
+                t = s.table,
+                id = s.id,
+                claimable = s.claimable,
+                order = s.order,
+            ),
+        };
+        let cursor = table
+            .group()
+            .filter(|_| table.fifo())
+            .map(|_| GroupCursor::default());
         let claim = format!(
-            "UPDATE {t} SET {lu} = ?2, {a} = {a} + 1 WHERE {id} IN \
-             (SELECT {id} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT ?3) {ret}",
+            "UPDATE {t} SET {lu} = ?2, {a} = {a} + 1 WHERE {id} IN ({picked}) {ret}",
             t = s.table,
             a = s.attempt,
             id = s.id,
-            claimable = s.claimable,
-            order = s.order,
             ret = s.returning_counted(),
         );
         // The row may hold the new expiry already: a renewal run again after a lost reply finds
@@ -67,6 +81,7 @@ impl SqliteLease {
             table,
             file,
             claim,
+            cursor,
             renew,
             settle,
             ack_many_head,
@@ -123,13 +138,23 @@ impl LeaseStrategy for SqliteLease {
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<Sqlite>>> {
         let _turn = self.file.write_turn().await;
-        let rows = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
+        let from = self.cursor.as_ref().map(GroupCursor::get);
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
             .bind(now_ms)
             .bind(expires_ms)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("claim"))?;
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+        if let Some(from) = &from {
+            q = q.bind(from.clone());
+        }
+        let rows = q.fetch_all(&self.pool).await.map_err(self.err("claim"))?;
+        if let (Some(cursor), Some(from), Some(group)) = (&self.cursor, &from, self.table.group()) {
+            let took = rows
+                .iter()
+                .map(|row| row.try_get::<Option<String>, _>(group))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(self.err("claim"))?;
+            cursor.advance(from.as_deref(), took.iter().flatten().map(String::as_str));
+        }
         rows.into_iter()
             .map(|row| crate::backend::claimed(&self.table, row, None))
             .collect()

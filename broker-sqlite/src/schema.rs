@@ -68,30 +68,34 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     out
 }
 
-/// The `WHERE` of a partial index over unfinished rows; empty when every row is unfinished.
-fn partial(t: &TableDescription) -> String {
-    let mut unfinished = Vec::new();
+/// The `WHERE` of a partial index over unfinished rows (empty when every row is unfinished),
+/// and on a FIFO table only over rows without a group when `ungrouped`.
+fn partial(t: &TableDescription, ungrouped: bool) -> String {
+    let mut rows = Vec::new();
     if let Some(c) = t.processed_at() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
+        rows.push(format!("{} IS NULL", ident(c)));
     }
     if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
+        rows.push(format!("{} IS NULL", ident(c)));
     }
-    if unfinished.is_empty() {
+    if let Some(g) = t.group().filter(|_| ungrouped && t.fifo()) {
+        rows.push(format!("{} IS NULL", ident(g)));
+    }
+    if rows.is_empty() {
         String::new()
     } else {
-        format!(" WHERE {}", unfinished.join(" AND "))
+        format!(" WHERE {}", rows.join(" AND "))
     }
 }
 
 /// The indexes the claims read, by name: the claim index (priority, due time as
-/// [`due_key`](crate::sql::due_key) sorts it, id; partial over unfinished rows) and, with a
-/// group column, the group index the FIFO head condition reads. A plain table without a
+/// [`due_key`](crate::sql::due_key) sorts it, id; partial over unfinished rows, and on a FIFO
+/// table over those without a group) and, with a group column, the group index (group, id)
+/// over unfinished rows, that a FIFO claim visits the groups and finds their heads through. A plain table without a
 /// priority, a due time or a finishing column gets no claim index: its claim order is the
 /// primary key's, and an index on (id) alone would cost every insert a second write.
 pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
-    let partial = partial(t);
     let mut out = Vec::new();
     let mut claim_cols = Vec::new();
     if let Some(p) = t.priority() {
@@ -101,19 +105,21 @@ pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
         claim_cols.push(crate::sql::due_key(&ident(c)));
     }
     claim_cols.push(ident(t.id()));
-    if claim_cols.len() > 1 || !partial.is_empty() {
+    let claim_rows = partial(t, true);
+    if claim_cols.len() > 1 || !claim_rows.is_empty() {
         out.push(format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){partial}",
+            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}){claim_rows}",
             ident(&format!("{}_claim", t.name())),
             claim_cols.join(", ")
         ));
     }
     if let Some(g) = t.group() {
         out.push(format!(
-            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){partial}",
+            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){}",
             ident(&format!("{}_group", t.name())),
             ident(g),
-            ident(t.id())
+            ident(t.id()),
+            partial(t, false)
         ));
     }
     out

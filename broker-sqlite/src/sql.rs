@@ -41,6 +41,8 @@ pub(crate) struct Statements {
     pub(crate) attempt: String,
     /// `WHERE` conditions of a claimable row; `?1` is the host's now (unix ms).
     pub(crate) claimable: String,
+    /// The same without the FIFO head condition: the row is due and free, whatever its group.
+    pub(crate) claimable_row: String,
     /// `ORDER BY` of a claim.
     pub(crate) order: String,
     /// What a claim returns: the whole row plus the broker's aliases. `attempt_expr` is the
@@ -71,11 +73,12 @@ impl Statements {
             let c = ident(c);
             claimable.push(format!("({c} IS NULL OR {c} <= ?1)"));
         }
-        if let Some(head) = fifo::head_condition(t) {
-            claimable.push(head);
-        }
         if claimable.is_empty() {
             claimable.push("1 = 1".into());
+        }
+        let claimable_row = claimable.join(" AND ");
+        if let Some(head) = fifo::head_condition(t) {
+            claimable.push(head);
         }
         let mut order = Vec::new();
         if let Some(p) = t.priority() {
@@ -93,6 +96,7 @@ impl Statements {
             id,
             attempt,
             claimable: claimable.join(" AND "),
+            claimable_row,
             order,
             returning_tail,
         }

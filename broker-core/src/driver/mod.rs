@@ -8,10 +8,12 @@
 //! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
 
 pub mod clock;
+mod group_cursor;
 pub mod indexes;
 pub mod retry;
 mod row_tx;
 
+pub use group_cursor::GroupCursor;
 pub use row_tx::{RowTransaction, WarmConnections};
 
 use std::future::Future;
