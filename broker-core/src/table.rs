@@ -438,7 +438,10 @@ impl TableBuilder {
         self.group = Some(column.into());
         self
     }
-    /// Process each group in order, one row at a time (needs a group column).
+    /// Process each group in order, one row at a time (needs a group column). Claims visit
+    /// the groups in turn, each taking its group's first unfinished row when that row is due
+    /// and free: within a group the order is by id; across groups it is turn by turn, not by
+    /// priority or due time (rows without a group still come first, in the claim order).
     pub fn fifo(mut self, fifo: bool) -> Self {
         self.fifo = fifo;
         self

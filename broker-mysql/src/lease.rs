@@ -208,21 +208,30 @@ impl MySqlLease {
         expires_ms: i64,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
         let mut conn = self.conn().await?;
-        let mut skip = 0;
+        let mut page = self.window.first_page();
         for _ in 0..PAGES {
             // An error leaves `conn` armed, so it is closed (see `Window::read`).
             let window = self
                 .window
-                .read(&mut conn, self.table.name(), now_ms, skip)
+                .read(&mut conn, self.table.name(), now_ms, &page)
                 .await?;
             if window.is_empty() {
+                self.window.claimed(&window, []);
+                if window.more() {
+                    // FIFO: the groups walked had no claimable head; walk on.
+                    page = window.next_page(&page);
+                    continue;
+                }
                 break;
             }
             let out = self
                 .claim_on(&mut conn, &window, limit, now_ms, expires_ms)
                 .await;
+            if let Ok(rows) = &out {
+                self.window.claimed(&window, rows.iter().map(|r| &r.row));
+            }
             if matches!(&out, Ok(rows) if rows.is_empty() && window.more()) {
-                skip = window.next_skip(skip);
+                page = window.next_page(&page);
                 continue;
             }
             // A claim that found fewer rows than it asked for: the table looks drained, and

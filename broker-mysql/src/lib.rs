@@ -95,7 +95,8 @@
 //!   delivery's transaction is closed instead of returned to the pool if its statements were cut
 //!   short.
 //! - **FIFO** (a group column and `fifo`): a claim takes only the head (first unfinished row by
-//!   id) of each group. The head condition is a consistent-read subquery in the claim, so a head
+//!   id) of each group, reading the groups in turn through the group index (windows of 32
+//!   groups, one probe per group). The head condition is a consistent-read subquery in the claim, so a head
 //!   that is in work is seen even though `SKIP LOCKED` skips it; a guard in the claim's
 //!   transaction then reads the group's earlier unfinished rows with `FOR UPDATE NOWAIT`, which
 //!   catches a row that took a lower id but committed later, so brokers on different hosts keep

@@ -78,7 +78,7 @@ impl MySqlRowLock {
     /// held only rows in work. Each window is read outside the transaction (see
     /// [`crate::window`]), so a window that gave nothing ends its transaction before the next.
     async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
-        let mut skip = 0;
+        let mut page = self.window.first_page();
         for _ in 0..PAGES {
             let conn = self
                 .warm
@@ -89,10 +89,16 @@ impl MySqlRowLock {
             // An error leaves `conn` armed, so it is closed (see `Window::read`).
             let window = self
                 .window
-                .read(&mut conn, self.table.name(), now_ms, skip)
+                .read(&mut conn, self.table.name(), now_ms, &page)
                 .await?;
             if window.is_empty() {
                 conn.finish();
+                self.window.claimed(&window, []);
+                if window.more() {
+                    // FIFO: the groups walked had no claimable head; walk on.
+                    page = window.next_page(&page);
+                    continue;
+                }
                 return Ok(None);
             }
             let mut tx = RowTransaction::begin(
@@ -107,6 +113,7 @@ impl MySqlRowLock {
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(self.err("claim take"))?;
+            self.window.claimed(&window, taken.iter());
             match taken {
                 Some(row) => return self.hold(tx, row).await,
                 None => {
@@ -114,7 +121,7 @@ impl MySqlRowLock {
                     if !window.more() {
                         return Ok(None);
                     }
-                    skip = window.next_skip(skip);
+                    page = window.next_page(&page);
                 }
             }
         }

@@ -100,13 +100,24 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     out
 }
 
-/// The claim index's columns: those that finish a row (compared with `IS NULL`, so finished
-/// rows sit apart), then the claim order: priority (highest first), due time, id.
+/// The claim index's columns: on a FIFO table the group column, then those that finish a row
+/// (compared with `IS NULL`, so finished rows sit apart), then the claim order: priority
+/// (highest first), due time, id.
 fn claim_index_columns(t: &TableDescription) -> Vec<(String, bool)> {
-    let mut cols: Vec<(String, bool)> = unfinished_columns(t)
+    // A FIFO claim reads this index only for rows without a group (grouped rows come through
+    // the group index, group by group), so there it leads with the group column: those rows
+    // are then one range, in claim order, whatever the groups hold.
+    let mut cols: Vec<(String, bool)> = t
+        .group()
+        .filter(|_| t.fifo())
+        .map(|g| (g.to_owned(), false))
         .into_iter()
-        .map(|c| (c.to_owned(), false))
         .collect();
+    cols.extend(
+        unfinished_columns(t)
+            .into_iter()
+            .map(|c| (c.to_owned(), false)),
+    );
     if let Some(p) = t.priority() {
         cols.push((p.to_owned(), true));
     }
@@ -421,7 +432,7 @@ mod tests {
         assert!(queue.contains("`grp` VARCHAR(255) NULL"), "{queue}");
         assert!(queue.contains("`prio` INT NOT NULL DEFAULT 0"), "{queue}");
         assert!(
-            queue.contains("INDEX `sqlx_broker_claim` (`done`, `prio` DESC, `due`, `id`)"),
+            queue.contains("INDEX `sqlx_broker_claim` (`grp`, `done`, `prio` DESC, `due`, `id`)"),
             "{queue}"
         );
         assert!(

@@ -87,6 +87,12 @@ pub(crate) enum P {
     HeldAttempt,
     /// The n-th id of a claim window's run (the last one again past its end).
     Candidate(usize),
+    /// Where a FIFO claim window's walk of the groups starts, written in (never bound) for
+    /// `group > ? OR group >= ?`: the group the walk starts after (NULL to start at the first
+    /// group) ...
+    After,
+    /// ... and the least group, `''`, when the walk starts at the first group (NULL otherwise).
+    First,
 }
 
 /// The values a statement's parameters take.
@@ -210,19 +216,33 @@ impl Stmt {
     /// The statement's text with its parameters written in as integer literals, for a
     /// statement that must go over the text protocol in one round trip with others (the
     /// claim window's read, see [`crate::window`]). Only integers the broker computes itself
-    /// (times, counts) may be written in; any other parameter is a bug.
+    /// (times, counts) and the start of a FIFO walk (hex) may be written in; any other
+    /// parameter is a bug.
     pub(crate) fn inline(&self, a: &Args<'_>) -> String {
         let mut out = String::with_capacity(self.sql.len() + 16 * self.at.len());
         let mut from = 0;
         for (p, &at) in self.params.iter().zip(self.at.iter()) {
             out.push_str(&self.sql[from..at]);
             let value = match p {
-                P::Now => micros(a.now_ms),
-                P::Limit => a.limit,
-                P::Skip => a.skip,
+                P::Now => micros(a.now_ms).to_string(),
+                P::Limit => a.limit.to_string(),
+                P::Skip => a.skip.to_string(),
+                P::After => match a.group {
+                    // Hex, so that no character of the group (a quote, a backslash under any
+                    // sql_mode) can end the literal.
+                    Some(g) => format!(
+                        "CONVERT(X'{}' USING utf8mb4)",
+                        g.bytes().map(|b| format!("{b:02x}")).collect::<String>()
+                    ),
+                    None => "NULL".to_owned(),
+                },
+                P::First => match a.group {
+                    Some(_) => "NULL".to_owned(),
+                    None => "''".to_owned(),
+                },
                 other => unreachable!("{other:?} is never written into a statement's text"),
             };
-            out.push_str(&value.to_string());
+            out.push_str(&value);
             from = at + 1;
         }
         out.push_str(&self.sql[from..]);
@@ -244,6 +264,7 @@ impl Stmt {
                 P::TokenAttempt => q.bind(a.token.map(|t| t.attempt)),
                 P::Group => q.bind(a.group),
                 P::HeldAttempt => q.bind(a.held_attempt),
+                P::After | P::First => unreachable!("the walk's start is only written in"),
                 P::Candidate(i) => q.bind(
                     a.candidates
                         .get(*i)
@@ -268,6 +289,8 @@ pub(crate) struct Statements {
     pub(crate) attempt: String,
     /// The conditions of a claimable row.
     pub(crate) claimable: Sql,
+    /// The same without the FIFO head condition: the row is due and free, whatever its group.
+    pub(crate) claimable_row: Sql,
     /// `ORDER BY` of a claim: higher priority first, then the due time, then publish order. The claim index the
     /// DDL helper creates has these columns in this order, so the claim reads rows in order
     /// instead of sorting them (a filesort would lock every row it scans).
@@ -294,11 +317,12 @@ impl Statements {
                     .push(")"),
             );
         }
-        if let Some(head) = fifo::head_condition(t) {
-            claimable.push(Sql::new(head));
-        }
         if claimable.is_empty() {
             claimable.push(Sql::new("1 = 1"));
+        }
+        let claimable_row = Sql::join(&claimable, " AND ");
+        if let Some(head) = fifo::head_condition(t) {
+            claimable.push(Sql::new(head));
         }
         // The due time leads the order after the priority: the claim index has it in that place,
         // so the claim's range scan reads NULL (due at once) and past due times first and ends
@@ -324,6 +348,7 @@ impl Statements {
             id,
             attempt,
             claimable: Sql::join(&claimable, " AND "),
+            claimable_row,
             order,
             aliases_tail,
         }

@@ -28,17 +28,29 @@
 //! the run ended, up to [`PAGES`] windows. An empty window ends the claim without opening a
 //! transaction.
 //!
+//! On a FIFO table the window is not a range of the claim index: rows without a group come
+//! from it (the claim index leads with the group column there, so they are one range), and the
+//! grouped rows come group by group. The read walks up to [`WINDOW`] groups through the group
+//! index (a recursive CTE, each step one probe for the next group), from just after the group
+//! the last claim took ([`GroupCursor`]), and gives each group's head (its first unfinished row)
+//! where the head is claimable. A group's backlog then costs one probe however many rows it
+//! holds, and the groups take turns. The take locks among the ids in id order (any order
+//! across groups is fair), checks the head condition and the guard as before; the next window
+//! starts after the last group walked, and from the first group once the walk reached the
+//! last.
+//!
 //! There is no fallback to a locking read through the claim index: such a read locks the index
 //! entry of every row it passes before it finds the row itself locked, and a row taken through
 //! the primary key has no lock on its index entry, so the passing claim would keep that entry
 //! locked and the delivery holding the row could not delete it (its ack waited for the other
 //! delivery to end: a lock wait timeout under row lock, where both stay open).
 
+use broker_core::driver::GroupCursor;
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlConnection, Row};
 
-use crate::sql::{Args, P, Sql, Statements, Stmt, ident};
+use crate::sql::{Args, P, Sql, Statements, Stmt, ident, unfinished_columns};
 
 /// How many ids a claim window reads.
 pub(crate) const WINDOW: usize = 32;
@@ -53,10 +65,20 @@ const DIRTY: &str = "SET TRANSACTION ISOLATION LEVEL READ UNCOMMITTED; ";
 /// The two statements of one table's claim window.
 #[derive(Debug)]
 pub(crate) struct Window {
-    /// The ids of the first claimable rows in claim order.
+    /// The ids of the first claimable rows in claim order (FIFO: the walk of the groups).
     read: Stmt,
     /// The locking take among a run of them, in id order.
     take: Stmt,
+    /// FIFO tables: where the next claim starts its walk of the groups.
+    cursor: Option<GroupCursor>,
+}
+
+/// Where a window read starts: past `skip` rows of the claim order, or (FIFO) after the group
+/// `after` (from the first group when `None`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Page {
+    skip: i64,
+    after: Option<String>,
 }
 
 /// The ids a window read found.
@@ -64,6 +86,10 @@ pub(crate) struct Window {
 pub(crate) struct Candidates {
     ids: Vec<i64>,
     run: usize,
+    /// FIFO: the groups walked, in walking order, and whether the walk stopped at [`WINDOW`]
+    /// groups (or the rows without a group filled a window) rather than at the last group.
+    walked: Vec<String>,
+    full: bool,
 }
 
 impl Candidates {
@@ -78,14 +104,18 @@ impl Candidates {
     }
 
     /// Whether rows the take did not try may still be claimable: the run was cut short, or the
-    /// window was full.
+    /// window (FIFO: the walk) was full.
     pub(crate) fn more(&self) -> bool {
-        self.run < self.ids.len() || self.ids.len() >= WINDOW
+        self.full || self.run < self.ids.len() || self.ids.len() >= WINDOW
     }
 
-    /// Where the next window starts, this one having started at `skip`: after the run.
-    pub(crate) fn next_skip(&self, skip: i64) -> i64 {
-        skip + i64::try_from(self.run).unwrap_or(i64::MAX)
+    /// Where the next window starts, this one having started at `page`: after the run, or
+    /// (FIFO) after the last group walked, from the first group once the walk reached the last.
+    pub(crate) fn next_page(&self, page: &Page) -> Page {
+        Page {
+            skip: page.skip + i64::try_from(self.run).unwrap_or(i64::MAX),
+            after: self.walked.last().filter(|_| self.full).cloned(),
+        }
     }
 }
 
@@ -123,12 +153,59 @@ impl Window {
             .param(P::Limit)
             .push(" FOR UPDATE SKIP LOCKED")
             .stmt("claim take");
-        Self { read, take }
+        match table.group().filter(|_| table.fifo()) {
+            Some(group) => Self {
+                read: walk(table, s, group),
+                take,
+                cursor: Some(GroupCursor::default()),
+            },
+            None => Self {
+                read,
+                take,
+                cursor: None,
+            },
+        }
     }
 
     /// The statements, by name, for prepare's check.
     pub(crate) fn statements(&self) -> [&Stmt; 2] {
         [&self.read, &self.take]
+    }
+
+    /// Where a claim's first window starts.
+    pub(crate) fn first_page(&self) -> Page {
+        Page {
+            skip: 0,
+            after: self.cursor.as_ref().and_then(GroupCursor::get),
+        }
+    }
+
+    /// After a claim whose last window was `window` and that took `rows` (FIFO): the next claim
+    /// starts after the last group taken in walking order, or, when nothing was taken, where
+    /// this walk stopped (from the first group if it reached the last).
+    pub(crate) fn claimed<'r>(
+        &self,
+        window: &Candidates,
+        rows: impl IntoIterator<Item = &'r MySqlRow>,
+    ) {
+        let Some(cursor) = &self.cursor else {
+            return;
+        };
+        let took: Vec<String> = rows
+            .into_iter()
+            .filter_map(|r| r.try_get::<Option<String>, _>(crate::sql::GROUP_ALIAS).ok())
+            .flatten()
+            .collect();
+        let last_taken = window
+            .walked
+            .iter()
+            .rev()
+            .find(|g| took.contains(g))
+            .cloned();
+        cursor.set(match last_taken {
+            Some(g) => Some(g),
+            None => window.walked.last().filter(|_| window.full).cloned(),
+        });
     }
 
     /// Reads the window of `table`, outside any transaction. On an error the caller must not
@@ -139,9 +216,9 @@ impl Window {
         conn: &mut MySqlConnection,
         table: &str,
         now_ms: i64,
-        skip: i64,
+        page: &Page,
     ) -> Result<Candidates> {
-        self.read_ids(conn, now_ms, skip)
+        self.read_ids(conn, now_ms, page)
             .await
             .map_err(|e| SqlxBrokerError::statement(table, self.read.name, e))
     }
@@ -150,23 +227,56 @@ impl Window {
         &self,
         conn: &mut MySqlConnection,
         now_ms: i64,
-        skip: i64,
+        page: &Page,
     ) -> Result<Candidates, sqlx::Error> {
         let args = Args {
             now_ms,
-            skip,
+            skip: page.skip,
+            group: page.after.as_deref(),
             ..Args::default()
         };
         let sql = format!("{DIRTY}{}", self.read.inline(&args));
         let rows: Vec<MySqlRow> = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .fetch_all(conn)
             .await?;
-        let ids = rows
-            .iter()
-            .map(|r| r.try_get::<i64, _>(0))
-            .collect::<Result<Vec<_>, _>>()?;
-        let run = rising_run(&ids);
-        Ok(Candidates { ids, run })
+        if self.cursor.is_none() {
+            let ids = rows
+                .iter()
+                .map(|r| r.try_get::<i64, _>(0))
+                .collect::<Result<Vec<_>, _>>()?;
+            let run = rising_run(&ids);
+            return Ok(Candidates {
+                ids,
+                run,
+                walked: Vec::new(),
+                full: false,
+            });
+        }
+        // (id or NULL, group or NULL): rows without a group first, then one row per group
+        // walked, with its head's id where the head is claimable.
+        let (mut ids, mut walked, mut ungrouped) = (Vec::new(), Vec::new(), 0);
+        for r in &rows {
+            let id: Option<i64> = r.try_get(0)?;
+            let group: Option<String> = r.try_get(1)?;
+            match group {
+                Some(g) => walked.push(g),
+                None => ungrouped += 1,
+            }
+            ids.extend(id);
+        }
+        // The take binds at most WINDOW ids (rows without a group and heads may come to twice
+        // that): the lowest go now, the rest come again in a later window or claim.
+        ids.sort_unstable();
+        let cut = ids.len() > WINDOW;
+        ids.truncate(WINDOW);
+        let run = ids.len();
+        let full = cut || walked.len() >= WINDOW || ungrouped >= WINDOW;
+        Ok(Candidates {
+            ids,
+            run,
+            walked,
+            full,
+        })
     }
 
     /// The take of up to `limit` rows among `run` (at most [`WINDOW`] ids).
@@ -184,6 +294,53 @@ impl Window {
             ..Args::default()
         })
     }
+}
+
+/// The window read of a FIFO table (see the module docs): `(id, NULL)` for up to [`WINDOW`]
+/// claimable rows without a group in claim order, then `(head id or NULL, group)` for each of
+/// up to [`WINDOW`] groups walked from the page's start. The walk steps with `ORDER BY .. LIMIT
+/// 1`, not `MIN()`, so that with the unfinished conditions it still stops at the first entry.
+fn walk(t: &TableDescription, s: &Statements, group: &str) -> Stmt {
+    let (tbl, id, g) = (&s.table, &s.id, ident(group));
+    let unfinished = |alias: &str| {
+        unfinished_columns(t)
+            .into_iter()
+            .map(|c| format!(" AND {alias}.{} IS NULL", ident(c)))
+            .collect::<String>()
+    };
+    let next = |cond: &str| {
+        format!(
+            "(SELECT n.{g} FROM {tbl} AS n WHERE n.{g} {cond}{} ORDER BY n.{g} LIMIT 1)",
+            unfinished("n")
+        )
+    };
+    Sql::new(format!(
+        "WITH RECURSIVE sqlx_broker_walk (g, n) AS (SELECT (SELECT n.{g} FROM {tbl} AS n \
+         WHERE (n.{g} > "
+    ))
+    .param(P::After)
+    .push(&format!(" OR n.{g} >= "))
+    .param(P::First)
+    .push(&format!(
+        "){} ORDER BY n.{g} LIMIT 1), 1 UNION ALL SELECT {step}, w.n + 1 FROM sqlx_broker_walk AS w \
+         WHERE w.g IS NOT NULL AND w.n < {WINDOW}) \
+         SELECT CAST(u.id AS SIGNED), CAST(NULL AS CHAR) FROM (SELECT {id} AS id FROM {tbl} \
+         WHERE {tbl}.{g} IS NULL AND ",
+        unfinished("n"),
+        step = next("> w.g"),
+    ))
+    .append(&s.claimable)
+    .push(&format!(
+        " ORDER BY {order} LIMIT {WINDOW}) AS u UNION ALL SELECT (SELECT CASE WHEN ",
+        order = s.order
+    ))
+    .append(&s.claimable_row)
+    .push(&format!(
+        " THEN CAST({id} AS SIGNED) END FROM {tbl} WHERE {tbl}.{g} = w.g{unf} ORDER BY {id} LIMIT 1), \
+         CAST(w.g AS CHAR) FROM sqlx_broker_walk AS w WHERE w.g IS NOT NULL",
+        unf = unfinished(tbl),
+    ))
+    .stmt("claim window")
 }
 
 /// The length of the first run of rising ids.

@@ -102,7 +102,9 @@
 //!   your transaction carries the notification in its insert (delivered at your commit, never on
 //!   rollback) unless another one of this process did within the window. Notifications can be
 //!   lost, and rows inserted by your own SQL notify nobody: the poll interval is the fallback.
-//! - **FIFO**: a claim takes only the head of each group, under a transaction-level advisory
+//! - **FIFO**: a claim walks the groups in turn through the group index (one probe per group,
+//!   however many rows a group holds) and takes only the head of each group, under a
+//!   transaction-level advisory
 //!   lock on the hash of table and group, so brokers on different hosts keep a group's order. A
 //!   head that keeps failing blocks its group until `max_attempts` dead-letters it. Ids come from
 //!   an identity column; rows published in concurrent transactions that commit out of id order

@@ -49,7 +49,8 @@
 //!   keys, so a row can then be delivered twice: run one process per file in advisory mode, or
 //!   use lease mode.
 //! - **FIFO** needs no guard lock: with one writer, reading a group's head and taking it never
-//!   interleave with another claim.
+//!   interleave with another claim. A claim walks the groups in turn through the group index,
+//!   one probe per group however many rows a group holds.
 //! - The lease claim's `RETURNING` hands rows back in no particular order.
 
 mod advisory;

@@ -152,6 +152,10 @@ macro_rules! conformance_suite {
             a_subscribed_handler_writes_through_its_transaction,
             a_busy_subscription_claims_on_its_last_connection_and_gives_it_back_when_idle,
         );
+        $crate::conformance_suite!(@each $db; row_lock;
+            fifo_groups_take_turns,
+            a_head_past_many_groups_without_one_is_claimed,
+        );
     };
     (@only $db:ty; lease) => {
         $crate::conformance_suite!(@each $db; lease;
@@ -160,6 +164,8 @@ macro_rules! conformance_suite {
             a_renewal_run_again_after_it_landed_keeps_the_lease,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
+            fifo_groups_take_turns,
+            a_head_past_many_groups_without_one_is_claimed,
         );
         $crate::conformance_suite!(@fenced $db; lease);
     };

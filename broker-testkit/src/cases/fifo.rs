@@ -256,3 +256,63 @@ pub async fn a_fifo_group_that_empties_and_fills_again_keeps_its_order<D: TestDb
     );
     fx.cleanup().await;
 }
+
+/// Issue #13: groups take turns. With three groups published one after the other, claims that
+/// each ack before the next visit the groups in turn (each claim starts after the group the
+/// last one took), not the first group's rows back to back; each group keeps its own order.
+pub async fn fifo_groups_take_turns<D: TestDb>(mode: ClaimMode) {
+    let groups = ["ga", "ga", "ga", "gb", "gb", "gb", "gc", "gc", "gc"];
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &groups).await;
+    let mut order = Vec::new();
+    for _ in 0..groups.len() {
+        let d = claim_one::<D>(&q).await;
+        order.push(d.id());
+        d.ack().await.unwrap();
+    }
+    let group_of = |id: &i64| groups[ids.iter().position(|i| i == id).unwrap()];
+    let first_three: Vec<&str> = order[..3].iter().map(group_of).collect();
+    let mut distinct = first_three.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        3,
+        "the first three claims took {first_three:?}: one group ran ahead of the others"
+    );
+    for g in ["ga", "gb", "gc"] {
+        let of_group: Vec<i64> = order
+            .iter()
+            .copied()
+            .filter(|id| group_of(id) == g)
+            .collect();
+        let mut sorted = of_group.clone();
+        sorted.sort_unstable();
+        assert_eq!(of_group, sorted, "group {g} ran out of order");
+    }
+    nothing_claimable::<D>(&q, "every row is acked").await;
+    fx.cleanup().await;
+}
+
+/// Issue #13: a claim reaches a claimable head however many groups before it have none (here
+/// 69 groups whose only row is scheduled an hour ahead, more than one claim window of groups on
+/// MySQL and MariaDB), and takes nothing else.
+pub async fn a_head_past_many_groups_without_one_is_claimed<D: TestDb>(mode: ClaimMode) {
+    const BLOCKED: usize = 69;
+    let fx = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await;
+    let q = fx.queue().await;
+    let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let mut jobs: Vec<_> = (0..BLOCKED)
+        .map(|i| fx.job(i).group(format!("g{i:03}")).run_at(later))
+        .collect();
+    jobs.push(fx.job(BLOCKED).group(format!("g{BLOCKED:03}")));
+    let ids = q.publish_batch(&jobs).await.expect("publish");
+    let got = claim_one::<D>(&q).await;
+    assert_eq!(
+        got.id(),
+        ids[BLOCKED],
+        "the only due head, after {BLOCKED} groups whose heads are scheduled"
+    );
+    got.ack().await.unwrap();
+    nothing_claimable::<D>(&q, "every other head is scheduled an hour ahead").await;
+    fx.cleanup().await;
+}
