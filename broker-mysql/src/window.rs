@@ -31,7 +31,7 @@
 //! On a FIFO table the window is not a range of the claim index: rows without a group come
 //! from it (the claim index leads with the group column there, so they are one range), and the
 //! grouped rows come group by group. The read walks up to [`WINDOW`] groups through the group
-//! index (a recursive CTE, each step one probe for the next group), from just after the group
+//! index (a loose index scan: `GROUP BY` the group with `MIN(id)`), from just after the group
 //! the last claim took ([`GroupCursor`]), and gives each group's head (its first unfinished row)
 //! where the head is claimable. A group's backlog then costs one probe however many rows it
 //! holds, and the groups take turns. The take locks among the ids in id order (any order
@@ -298,47 +298,38 @@ impl Window {
 
 /// The window read of a FIFO table (see the module docs): `(id, NULL)` for up to [`WINDOW`]
 /// claimable rows without a group in claim order, then `(head id or NULL, group)` for each of
-/// up to [`WINDOW`] groups walked from the page's start. The walk steps with `ORDER BY .. LIMIT
-/// 1`, not `MIN()`, so that with the unfinished conditions it still stops at the first entry.
+/// up to [`WINDOW`] groups from the page's start, in group order. The groups and their heads
+/// come from one `GROUP BY` with `MIN(id)` over the group index, which both servers read as a
+/// loose index scan (one probe per group); a recursive CTE stepping with a correlated
+/// `group > w.g` read the index from its start on every step on MariaDB 10.11 (30 ms for 32
+/// groups). `STRAIGHT_JOIN` reads the groups first, in their order, then each head by its key.
 fn walk(t: &TableDescription, s: &Statements, group: &str) -> Stmt {
     let (tbl, id, g) = (&s.table, &s.id, ident(group));
-    let unfinished = |alias: &str| {
-        unfinished_columns(t)
-            .into_iter()
-            .map(|c| format!(" AND {alias}.{} IS NULL", ident(c)))
-            .collect::<String>()
-    };
-    let next = |cond: &str| {
-        format!(
-            "(SELECT n.{g} FROM {tbl} AS n WHERE n.{g} {cond}{} ORDER BY n.{g} LIMIT 1)",
-            unfinished("n")
-        )
-    };
+    let unfinished: String = unfinished_columns(t)
+        .into_iter()
+        .map(|c| format!(" AND n.{} IS NULL", ident(c)))
+        .collect();
     Sql::new(format!(
-        "WITH RECURSIVE sqlx_broker_walk (g, n) AS (SELECT (SELECT n.{g} FROM {tbl} AS n \
-         WHERE (n.{g} > "
+        "SELECT CAST(u.id AS SIGNED), CAST(NULL AS CHAR) FROM (SELECT {id} AS id FROM {tbl} \
+         WHERE {tbl}.{g} IS NULL AND "
+    ))
+    .append(&s.claimable)
+    .push(&format!(
+        " ORDER BY {order} LIMIT {WINDOW}) AS u UNION ALL SELECT CASE WHEN ",
+        order = s.order
+    ))
+    .append(&s.claimable_row)
+    .push(&format!(
+        " THEN CAST({id} AS SIGNED) END, CAST(w.g AS CHAR) FROM (SELECT n.{g} AS g, \
+         MIN(n.{idc}) AS head FROM {tbl} AS n WHERE (n.{g} > ",
+        idc = ident(t.id()),
     ))
     .param(P::After)
     .push(&format!(" OR n.{g} >= "))
     .param(P::First)
     .push(&format!(
-        "){} ORDER BY n.{g} LIMIT 1), 1 UNION ALL SELECT {step}, w.n + 1 FROM sqlx_broker_walk AS w \
-         WHERE w.g IS NOT NULL AND w.n < {WINDOW}) \
-         SELECT CAST(u.id AS SIGNED), CAST(NULL AS CHAR) FROM (SELECT {id} AS id FROM {tbl} \
-         WHERE {tbl}.{g} IS NULL AND ",
-        unfinished("n"),
-        step = next("> w.g"),
-    ))
-    .append(&s.claimable)
-    .push(&format!(
-        " ORDER BY {order} LIMIT {WINDOW}) AS u UNION ALL SELECT (SELECT CASE WHEN ",
-        order = s.order
-    ))
-    .append(&s.claimable_row)
-    .push(&format!(
-        " THEN CAST({id} AS SIGNED) END FROM {tbl} WHERE {tbl}.{g} = w.g{unf} ORDER BY {id} LIMIT 1), \
-         CAST(w.g AS CHAR) FROM sqlx_broker_walk AS w WHERE w.g IS NOT NULL",
-        unf = unfinished(tbl),
+        "){unfinished} GROUP BY n.{g} ORDER BY n.{g} LIMIT {WINDOW}) AS w \
+         STRAIGHT_JOIN {tbl} ON {id} = w.head"
     ))
     .stmt("claim window")
 }
