@@ -298,6 +298,17 @@ impl TableDescription {
     pub fn processed_at(&self) -> Option<&str> {
         self.processed_at.as_deref()
     }
+    /// The columns that stay NULL while a row is unfinished: `processed_at` and a dead-letter
+    /// mark column, those the table has. A row is unfinished (claimable in time, a FIFO head
+    /// candidate) while all of them are NULL; empty when an ack deletes and a dead letter moves.
+    pub fn unfinished_columns(&self) -> Vec<&str> {
+        let mut out = Vec::new();
+        out.extend(self.processed_at());
+        if let Some(DeadLetter::Column(c)) = self.dead_letter() {
+            out.push(c.as_str());
+        }
+        out
+    }
     /// The lease length in whole seconds.
     pub fn lease_seconds(&self) -> u32 {
         self.lease_seconds

@@ -30,7 +30,7 @@ use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{MySqlConnection, Row};
 
 use crate::sql::error_number;
-use crate::sql::{Args, GROUP_ALIAS, P, Sql, Stmt, ident, unfinished_columns};
+use crate::sql::{Args, GROUP_ALIAS, P, Sql, Stmt, ident};
 
 /// The alias of the table inside the head subquery and the guard; unusual, so no user table
 /// shadows it.
@@ -49,7 +49,7 @@ pub(crate) fn head_condition(t: &TableDescription) -> Option<String> {
     let table = ident(t.name());
     let id = ident(t.id());
     let mut unfinished = String::new();
-    for c in unfinished_columns(t) {
+    for c in t.unfinished_columns() {
         unfinished.push_str(&format!(" AND {HEAD}.{} IS NULL", ident(c)));
     }
     Some(format!(
@@ -70,7 +70,7 @@ pub(crate) fn guard(t: &TableDescription, index: Option<&str>) -> Option<Stmt> {
     let table = ident(t.name());
     let id = ident(t.id());
     let mut unfinished = String::new();
-    for c in unfinished_columns(t) {
+    for c in t.unfinished_columns() {
         unfinished.push_str(&format!(" AND {HEAD}.{} IS NULL", ident(c)));
     }
     // -- needs NOWAIT: MySQL 8.0.1, MariaDB 10.3

@@ -8,7 +8,7 @@ use broker_core::{ColumnType, DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{Executor, MySqlConnection};
 
 use crate::fifo::GROUP_INDEX;
-use crate::sql::{ident, unfinished_columns};
+use crate::sql::ident;
 
 /// The name of the claim index the DDL helper creates.
 pub(crate) const CLAIM_INDEX: &str = "sqlx_broker_claim";
@@ -72,7 +72,7 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
 pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
     let mut cols = columns(t, true);
-    let unfinished: Vec<String> = unfinished_columns(t).into_iter().map(ident).collect();
+    let unfinished: Vec<String> = t.unfinished_columns().into_iter().map(ident).collect();
     if let Some(claim) = claim_index(t) {
         cols.push(claim);
     }
@@ -114,7 +114,7 @@ fn claim_index_columns(t: &TableDescription) -> Vec<(String, bool)> {
         .into_iter()
         .collect();
     cols.extend(
-        unfinished_columns(t)
+        t.unfinished_columns()
             .into_iter()
             .map(|c| (c.to_owned(), false)),
     );

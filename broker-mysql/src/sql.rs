@@ -306,7 +306,7 @@ impl Statements {
         let id = col(t.id());
         let attempt = col(t.attempt());
         let mut claimable = Vec::new();
-        for c in unfinished_columns(t) {
+        for c in t.unfinished_columns() {
             claimable.push(Sql::new(format!("{} IS NULL", col(c))));
         }
         for c in [t.due_at(), t.locked_until()].into_iter().flatten() {
@@ -462,18 +462,6 @@ impl Statements {
         };
         SettleStatements { ack, retry, dead }
     }
-}
-
-/// The columns that, once set, finish a row (it is never claimed again).
-pub(crate) fn unfinished_columns(t: &TableDescription) -> Vec<&str> {
-    let mut out = Vec::new();
-    if let Some(c) = t.processed_at() {
-        out.push(c);
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        out.push(c.as_str());
-    }
-    out
 }
 
 /// The isolation level claim transactions open at: READ COMMITTED unless the table sets one, so

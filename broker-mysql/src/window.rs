@@ -50,7 +50,7 @@ use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlConnection, Row};
 
-use crate::sql::{Args, P, Sql, Statements, Stmt, ident, unfinished_columns};
+use crate::sql::{Args, P, Sql, Statements, Stmt, ident};
 
 /// How many ids a claim window reads.
 pub(crate) const WINDOW: usize = 32;
@@ -305,7 +305,8 @@ impl Window {
 /// groups). `STRAIGHT_JOIN` reads the groups first, in their order, then each head by its key.
 fn walk(t: &TableDescription, s: &Statements, group: &str) -> Stmt {
     let (tbl, id, g) = (&s.table, &s.id, ident(group));
-    let unfinished: String = unfinished_columns(t)
+    let unfinished: String = t
+        .unfinished_columns()
         .into_iter()
         .map(|c| format!(" AND n.{} IS NULL", ident(c)))
         .collect();

@@ -9,21 +9,17 @@
 //! while a head is in work its whole group is skipped before any row of it is even looked at.
 //! Rows without a group are not ordered and take no guard.
 
-use broker_core::{DeadLetter, TableDescription};
+use broker_core::TableDescription;
 
 use crate::sql::{Statements, ident};
 
 /// `AND` conditions that the row `alias` is unfinished (not processed, not dead); empty when
 /// every row in the table is.
 fn unfinished(t: &TableDescription, alias: &str) -> String {
-    let mut out = String::new();
-    if let Some(c) = t.processed_at() {
-        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
-    }
-    out
+    t.unfinished_columns()
+        .into_iter()
+        .map(|c| format!(" AND {alias}.{} IS NULL", ident(c)))
+        .collect()
 }
 
 /// The condition that the row `q` is the head of its group, for FIFO tables.

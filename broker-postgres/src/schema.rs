@@ -129,7 +129,7 @@ fn claim_index_columns(t: &TableDescription) -> Vec<String> {
 }
 
 /// The claim index of a description (see [`ddl`]); `None` where the claim reads the primary key:
-/// a plain table without a priority, a due time or a finishing column, whose claim order is the
+/// a table without a priority, a due time, a finishing column or FIFO groups, whose claim order is the
 /// id's. An index on (id) alone would duplicate the key and cost every insert a second write.
 pub(crate) fn claim_index(t: &TableDescription) -> Option<String> {
     let cols = claim_index_columns(t);
@@ -148,14 +148,10 @@ pub(crate) fn claim_index(t: &TableDescription) -> Option<String> {
 /// The conditions of unfinished rows; none when every row is unfinished (an ack deletes, a dead
 /// letter moves).
 fn unfinished(t: &TableDescription) -> Vec<String> {
-    let mut unfinished = Vec::new();
-    if let Some(c) = t.processed_at() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        unfinished.push(format!("{} IS NULL", ident(c)));
-    }
-    unfinished
+    t.unfinished_columns()
+        .into_iter()
+        .map(|c| format!("{} IS NULL", ident(c)))
+        .collect()
 }
 
 /// The rows the claim index holds: the unfinished ones, and on a FIFO table only those without

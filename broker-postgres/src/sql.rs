@@ -208,13 +208,11 @@ impl Statements {
         let table = ident(t.name());
         let id = ident(t.id());
         let attempt = ident(t.attempt());
-        let mut claimable = Vec::new();
-        if let Some(c) = t.processed_at() {
-            claimable.push(format!("q.{} IS NULL", ident(c)));
-        }
-        if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-            claimable.push(format!("q.{} IS NULL", ident(c)));
-        }
+        let mut claimable: Vec<String> = t
+            .unfinished_columns()
+            .into_iter()
+            .map(|c| format!("q.{} IS NULL", ident(c)))
+            .collect();
         // The due time leads the claim order (after the priority), and the claim index has it as
         // an expression: the claim then reads due rows first and stops at the first row not due
         // yet, however many scheduled rows come earlier in id order. A NULL due time is due at

@@ -2,21 +2,17 @@
 //! group. No guard lock is needed: SQLite has one writer at a time, so two claims never interleave
 //! between reading the head and taking it.
 
-use broker_core::{DeadLetter, TableDescription};
+use broker_core::TableDescription;
 
 use crate::sql::{Statements, ident};
 
 /// `AND` conditions that the row `alias` is unfinished (not processed, not dead); empty when
 /// every row in the table is.
 fn unfinished(t: &TableDescription, alias: &str) -> String {
-    let mut out = String::new();
-    if let Some(c) = t.processed_at() {
-        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        out.push_str(&format!(" AND {alias}.{} IS NULL", ident(c)));
-    }
-    out
+    t.unfinished_columns()
+        .into_iter()
+        .map(|c| format!(" AND {alias}.{} IS NULL", ident(c)))
+        .collect()
 }
 
 /// The condition that a row (`t` in the claim) is the head of its group, for FIFO tables. Rows

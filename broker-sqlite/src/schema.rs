@@ -71,13 +71,11 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
 /// The `WHERE` of a partial index over unfinished rows (empty when every row is unfinished),
 /// and on a FIFO table only over rows without a group when `ungrouped`.
 fn partial(t: &TableDescription, ungrouped: bool) -> String {
-    let mut rows = Vec::new();
-    if let Some(c) = t.processed_at() {
-        rows.push(format!("{} IS NULL", ident(c)));
-    }
-    if let Some(DeadLetter::Column(c)) = t.dead_letter() {
-        rows.push(format!("{} IS NULL", ident(c)));
-    }
+    let mut rows: Vec<String> = t
+        .unfinished_columns()
+        .into_iter()
+        .map(|c| format!("{} IS NULL", ident(c)))
+        .collect();
     if let Some(g) = t.group().filter(|_| ungrouped && t.fifo()) {
         rows.push(format!("{} IS NULL", ident(g)));
     }
