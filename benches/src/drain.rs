@@ -550,7 +550,7 @@ where
         if done >= batch || shared.finished() {
             break;
         }
-        if !shared.reserve(&c.key) {
+        if c.held || !shared.reserve(&c.key) {
             continue;
         }
         let r = raw_advisory_one(s, c.id, &c.key).await;

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, LeaseStrategy, LeaseToken, Prepared, RowLockClaim,
-    RowLockStrategy, RowTransaction, Settle,
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, LeaseStrategy, LeaseToken, Prepared,
+    RowLockClaim, RowLockStrategy, RowTransaction, Settle,
 };
 use broker_core::{Backend, Capabilities, NewJob, Result, RowState, TableDescription};
 use sqlx::{Database, Pool};
@@ -317,6 +317,19 @@ impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {
         let t = Instant::now();
         let r = self.inner.candidates(limit, skip, now_ms).await;
         let rows = r.as_ref().map_or(0, Vec::len);
+        self.stats.record(Op::Candidates, t, rows);
+        r
+    }
+
+    async fn walk_keys(
+        &self,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<KeyWalk> {
+        let t = Instant::now();
+        let r = self.inner.walk_keys(after, limit, now_ms).await;
+        let rows = r.as_ref().map_or(0, |w| w.candidates.len());
         self.stats.record(Op::Candidates, t, rows);
         r
     }

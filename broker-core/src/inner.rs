@@ -108,6 +108,9 @@ pub(crate) struct Shared<B: Backend> {
     pub(crate) metrics: Metrics,
     /// Advisory mode: candidates a recent read returned that no claim has tried yet.
     pub(crate) candidates: CandidateCache,
+    /// Advisory mode: the key columns of the last key a key walk visited, where the next walk
+    /// starts after (`None`: from the first key).
+    pub(crate) key_cursor: Mutex<Option<Vec<String>>>,
     /// Rows whose settlement failed, so their next delivery backs off or dead-letters them.
     pub(crate) settle_failures: SettleFailures,
 }
@@ -119,6 +122,7 @@ impl<B: Backend> Shared<B> {
             table,
             metrics: Metrics::default(),
             candidates: CandidateCache::default(),
+            key_cursor: Mutex::new(None),
             settle_failures: SettleFailures::default(),
         }
     }

@@ -274,6 +274,16 @@ impl TableDescription {
     pub fn locked_until(&self) -> Option<&str> {
         self.locked_until.as_deref()
     }
+    /// The columns an advisory claim's key walk visits the keys by (the key template's, in
+    /// order of first use), and so the columns of the key index the DDL helper creates before
+    /// the id: `None` when the table has no walk (not advisory, a FIFO table, whose claim
+    /// visits the groups, or a template that reads only the id, where every row is its own
+    /// key and nothing can wait behind a held one).
+    pub fn key_walk_columns(&self) -> Option<Vec<&str>> {
+        let cols = self.advisory_lock.as_ref()?.columns();
+        (!self.fifo && cols != [self.id()]).then_some(cols)
+    }
+
     /// The advisory key template (advisory mode).
     pub fn advisory_lock(&self) -> Option<&KeyTemplate> {
         self.advisory_lock.as_ref()

@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
@@ -54,10 +54,6 @@ pub fn lock_name(database: &str, key: &str) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
-
-/// Candidate windows one read passes at most while every row in them is under a held key (see
-/// `MySqlAdvisory::candidates_on`).
-const CANDIDATE_WINDOWS: usize = 5;
 
 /// How many lock names one pre-filter statement probes (unused slots bind NULL), so the statement
 /// text never changes and stays prepared.
@@ -131,6 +127,9 @@ pub struct MySqlAdvisory {
     database: String,
     template: KeyTemplate,
     candidates: Stmt,
+    /// The key walk from the first key, and from just after a key (see [`key_walk`]); `None`
+    /// for a table without one.
+    walk: Option<[Stmt; 2]>,
     probe: Arc<str>,
     take: Take,
     settle: SettleStatements,
@@ -165,6 +164,9 @@ impl MySqlAdvisory {
         .push(" OFFSET ")
         .param(P::Skip)
         .stmt("candidates");
+        let walk = table
+            .key_walk_columns()
+            .map(|cols| [false, true].map(|after| key_walk(&s, &cols, after)));
         let probe = format!(
             "SELECT {}",
             vec!["CAST(IS_FREE_LOCK(?) AS SIGNED)"; PROBES].join(", ")
@@ -218,6 +220,7 @@ impl MySqlAdvisory {
             database,
             template,
             candidates,
+            walk,
             probe,
             take,
             settle,
@@ -228,6 +231,7 @@ impl MySqlAdvisory {
     /// table.
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![&self.candidates];
+        out.extend(self.walk.iter().flatten());
         match &self.take {
             Take::Update { update, read } => out.extend([update, read]),
             Take::Locked {
@@ -242,37 +246,15 @@ impl MySqlAdvisory {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
 
-    /// Candidates after `skip`, with keys held elsewhere left out. The held keys are filtered
-    /// here, so the core cannot tell a window of held keys from the end of the table: when every
-    /// row of a full window was under a held key, this reads on past it, in growing windows (as
-    /// the core does for the other backends), up to `CANDIDATE_WINDOWS` reads.
+    /// One window of candidates after `skip`, those whose keys another session holds marked
+    /// held.
     async fn candidates_on(
-        &self,
-        conn: &mut MySqlConnection,
-        mut limit: usize,
-        mut skip: usize,
-        now_ms: i64,
-    ) -> Result<Vec<Candidate>> {
-        for _ in 0..CANDIDATE_WINDOWS {
-            let (out, read) = self.candidates_window(conn, limit, skip, now_ms).await?;
-            if !out.is_empty() || read < limit {
-                return Ok(out);
-            }
-            skip = skip.saturating_add(read);
-            limit = limit.saturating_mul(4);
-        }
-        Ok(Vec::new())
-    }
-
-    /// One window of candidates: those whose keys no other session holds, and how many rows
-    /// the window read.
-    async fn candidates_window(
         &self,
         conn: &mut MySqlConnection,
         limit: usize,
         skip: usize,
         now_ms: i64,
-    ) -> Result<(Vec<Candidate>, usize)> {
+    ) -> Result<Vec<Candidate>> {
         let args = Args {
             now_ms,
             limit: i64::try_from(limit).unwrap_or(i64::MAX),
@@ -295,19 +277,25 @@ impl MySqlAdvisory {
             out.push(Candidate {
                 id,
                 key: self.template.render(&values),
+                held: false,
             });
         }
-        // Pre-filter: keys another session holds are skipped here, in one statement, instead of
-        // each spending a pool connection on a GET_LOCK that fails. A key freed or taken in
-        // between is caught by the GET_LOCK itself.
+        self.mark_held(conn, &mut out).await?;
+        Ok(out)
+    }
+
+    /// Marks the candidates whose keys another session holds, in one statement per 16 keys,
+    /// so that each does not spend a pool connection on a GET_LOCK that fails. A key freed or
+    /// taken in between is caught by the GET_LOCK itself.
+    async fn mark_held(&self, conn: &mut MySqlConnection, out: &mut [Candidate]) -> Result<()> {
         let mut names: HashMap<&str, String> = HashMap::new();
-        for c in &out {
+        for c in out.iter() {
             names
                 .entry(c.key.as_str())
                 .or_insert_with(|| lock_name(&self.database, &c.key));
         }
         let names: Vec<(&str, String)> = names.into_iter().collect();
-        let mut held: HashSet<&str> = HashSet::new();
+        let mut held: HashSet<String> = HashSet::new();
         for chunk in names.chunks(PROBES) {
             let mut q = sqlx::query(sqlx::AssertSqlSafe(self.probe.clone()));
             for i in 0..PROBES {
@@ -320,14 +308,64 @@ impl MySqlAdvisory {
             for (i, (key, _)) in chunk.iter().enumerate() {
                 let free: Option<i64> = row.try_get(i).map_err(self.err("key probe"))?;
                 if free == Some(0) {
-                    held.insert(key);
+                    held.insert((*key).to_owned());
                 }
             }
         }
-        let held: HashSet<String> = held.into_iter().map(str::to_owned).collect();
-        let read = out.len();
-        out.retain(|c| !held.contains(&c.key));
-        Ok((out, read))
+        for c in out.iter_mut() {
+            c.held = held.contains(&c.key);
+        }
+        Ok(())
+    }
+
+    async fn walk_keys_on(
+        &self,
+        conn: &mut MySqlConnection,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<KeyWalk> {
+        let Some([first, later]) = &self.walk else {
+            return Ok(KeyWalk::default());
+        };
+        let (stmt, key_after) = match after {
+            Some(a) => (later, a),
+            None => (first, &[][..]),
+        };
+        let args = Args {
+            now_ms,
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            key_after,
+            ..Args::default()
+        };
+        let rows = stmt
+            .bind(&args)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(self.err("key walk"))?;
+        let n = self.table.key_walk_columns().map_or(0, |c| c.len());
+        let mut walk = KeyWalk {
+            visited: rows.len(),
+            ..KeyWalk::default()
+        };
+        for row in &rows {
+            let values = (0..n)
+                .map(|i| row.try_get::<String, _>(i))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(self.err("key walk"))?;
+            let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
+            if let Some(id) = id {
+                let cols: Vec<Option<String>> = values.iter().cloned().map(Some).collect();
+                walk.candidates.push(Candidate {
+                    id,
+                    key: self.template.render(&cols),
+                    held: false,
+                });
+            }
+            walk.last = Some(values);
+        }
+        self.mark_held(conn, &mut walk.candidates).await?;
+        Ok(walk)
     }
 
     async fn take_on(
@@ -402,6 +440,78 @@ impl MySqlAdvisory {
     }
 }
 
+/// The key walk of an advisory table (see [`AdvisoryStrategy::walk_keys`]): the next keys after
+/// the bound one (or from the first), at most `LIMIT` of them, read as a loose index scan of the
+/// key index (`GROUP BY` over its leading columns: one probe per key, however many rows it
+/// holds), and for each its first claimable row by id through the same index. Keys with a NULL
+/// column are not visited. "After" is written out column by column (`c1 > ? OR (c1 = ? AND c2 >
+/// ?)`), which both servers read as ranges of the index. There are no partial indexes here, so
+/// a table that keeps its acked rows (`processed_at`) passes keys whose rows are all finished.
+fn key_walk(s: &Statements, columns: &[&str], after: bool) -> Stmt {
+    let cols: Vec<String> = columns.iter().map(|c| ident(c)).collect();
+    let listed = |alias: &str| {
+        cols.iter()
+            .map(|c| format!("{alias}.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut inner = Sql::new(format!(
+        "SELECT {} FROM {} AS n WHERE {}",
+        listed("n"),
+        s.table,
+        cols.iter()
+            .map(|c| format!("n.{c} IS NOT NULL"))
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    ));
+    if after {
+        inner = inner.push(" AND (");
+        for (i, c) in cols.iter().enumerate() {
+            if i > 0 {
+                inner = inner.push(" OR ");
+            }
+            inner = inner.push("(");
+            for (j, earlier) in cols[..i].iter().enumerate() {
+                inner = inner
+                    .push(&format!("n.{earlier} = "))
+                    .param(P::KeyAfter(j))
+                    .push(" AND ");
+            }
+            inner = inner
+                .push(&format!("n.{c} > "))
+                .param(P::KeyAfter(i))
+                .push(")");
+        }
+        inner = inner.push(")");
+    }
+    let inner = inner
+        .push(&format!(
+            " GROUP BY {g} ORDER BY {g} LIMIT ",
+            g = listed("n")
+        ))
+        .param(P::Limit);
+    let same_key: Vec<String> = cols
+        .iter()
+        .map(|c| format!("{}.{c} = w.{c}", s.table))
+        .collect();
+    let read: Vec<String> = cols
+        .iter()
+        .map(|c| format!("CAST(w.{c} AS CHAR)"))
+        .collect();
+    Sql::new(format!(
+        "SELECT {}, (SELECT CAST({} AS SIGNED) FROM {} WHERE {} AND ",
+        read.join(", "),
+        s.id,
+        s.table,
+        same_key.join(" AND ")
+    ))
+    .append(&s.claimable)
+    .push(&format!(" ORDER BY {} LIMIT 1) FROM (", s.id))
+    .append(&inner)
+    .push(&format!(") AS w ORDER BY {}", listed("w")))
+    .stmt(if after { "key walk after" } else { "key walk" })
+}
+
 impl AdvisoryStrategy for MySqlAdvisory {
     type Db = MySql;
     type KeyLock = KeyLock;
@@ -409,6 +519,18 @@ impl AdvisoryStrategy for MySqlAdvisory {
     async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
         let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
         let out = self.candidates_on(&mut conn, limit, skip, now_ms).await;
+        conn.finish();
+        out
+    }
+
+    async fn walk_keys(
+        &self,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<KeyWalk> {
+        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let out = self.walk_keys_on(&mut conn, after, limit, now_ms).await;
         conn.finish();
         out
     }

@@ -52,8 +52,15 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
     if let Some(p) = t.priority() {
         cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(p)));
     }
+    let walked = t.key_walk_columns().unwrap_or_default();
     for (c, ty) in t.columns() {
-        cols.push(format!("{} {} NULL", ident(c), column_type(*ty)));
+        // A text column of the key walk's index needs a bounded length, as the group's does.
+        let ty = if *ty == ColumnType::Text && walked.contains(&c.as_str()) {
+            "VARCHAR(255)"
+        } else {
+            column_type(*ty)
+        };
+        cols.push(format!("{} {ty} NULL", ident(c)));
     }
     cols.push(format!("PRIMARY KEY ({})", ident(t.id())));
     cols
@@ -75,6 +82,9 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let unfinished: Vec<String> = t.unfinished_columns().into_iter().map(ident).collect();
     if let Some(claim) = claim_index(t) {
         cols.push(claim);
+    }
+    if let Some(key) = key_index(t) {
+        cols.push(key);
     }
     if let Some(g) = t.group() {
         let mut group = vec![ident(g)];
@@ -98,6 +108,32 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         ));
     }
     out
+}
+
+/// The name of the key index the DDL helper creates on advisory tables with a key walk.
+pub(crate) const KEY_INDEX: &str = "sqlx_broker_key";
+
+/// The key index's columns: the key template's, then the id
+/// ([`TableDescription::key_walk_columns`]).
+fn key_index_columns(t: &TableDescription) -> Option<Vec<String>> {
+    let mut cols: Vec<String> = t
+        .key_walk_columns()?
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    cols.push(t.id().to_owned());
+    Some(cols)
+}
+
+/// The key index as an index definition: what an advisory claim's key walk reads.
+fn key_index(t: &TableDescription) -> Option<String> {
+    key_index_columns(t).map(|cols| {
+        format!(
+            "INDEX {} ({})",
+            ident(KEY_INDEX),
+            cols.iter().map(|c| ident(c)).collect::<Vec<_>>().join(", ")
+        )
+    })
 }
 
 /// The claim index's columns: on a FIFO table the group column, then those that finish a row
@@ -144,8 +180,8 @@ fn claim_index(t: &TableDescription) -> Option<String> {
     })
 }
 
-/// Whether the claim index is missing or not in the claim's order: what was found and the
-/// statement that puts it right. Any index whose columns are the claim index's counts, whatever
+/// Whether the claim index (and on an advisory table with a key walk, the key index) is missing
+/// or not in the claim's order: what was found and the statement that puts it right. Any index whose columns are the claim index's counts, whatever
 /// its name; one named `sqlx_broker_claim` with other columns (made by the DDL helper before the
 /// claim led with the due time) is dropped and made again by the statement. Without it a claim
 /// sorts what it reads (a filesort) and locks every row it scans; only slowness follows, so the
@@ -154,9 +190,19 @@ pub(crate) async fn index_advice(
     conn: &mut MySqlConnection,
     t: &TableDescription,
 ) -> Result<Vec<IndexAdvice>, sqlx::Error> {
-    let Some(definition) = claim_index(t) else {
+    let wanted: Vec<(&str, Vec<String>, String)> = [
+        claim_index(t).map(|d| {
+            let cols = claim_index_columns(t).into_iter().map(|(c, _)| c).collect();
+            (CLAIM_INDEX, cols, d)
+        }),
+        key_index(t).and_then(|d| Some((KEY_INDEX, key_index_columns(t)?, d))),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if wanted.is_empty() {
         return Ok(Vec::new());
-    };
+    }
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT CAST(INDEX_NAME AS CHAR), CAST(COLUMN_NAME AS CHAR) FROM information_schema.STATISTICS \
          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? ORDER BY INDEX_NAME, SEQ_IN_INDEX",
@@ -172,30 +218,33 @@ pub(crate) async fn index_advice(
             _ => found.push((index, vec![column])),
         }
     }
-    let wanted: Vec<String> = claim_index_columns(t).into_iter().map(|(c, _)| c).collect();
-    if found.iter().any(|(_, cols)| *cols == wanted) {
-        return Ok(Vec::new());
-    }
     let table = ident(t.name());
-    Ok(vec![match found.iter().find(|(n, _)| n == CLAIM_INDEX) {
-        Some((_, cols)) => IndexAdvice {
-            name: CLAIM_INDEX.to_owned(),
-            found: format!(
-                "it is on ({}), not the claim's order ({})",
-                cols.join(", "),
-                wanted.join(", ")
-            ),
-            fix: vec![format!(
-                "ALTER TABLE {table} DROP INDEX {}, ADD {definition}",
-                ident(CLAIM_INDEX)
-            )],
-        },
-        None => IndexAdvice {
-            name: CLAIM_INDEX.to_owned(),
-            found: format!("no index on ({})", wanted.join(", ")),
-            fix: vec![format!("ALTER TABLE {table} ADD {definition}")],
-        },
-    }])
+    let mut out = Vec::new();
+    for (name, wanted, definition) in wanted {
+        if found.iter().any(|(_, cols)| *cols == wanted) {
+            continue;
+        }
+        out.push(match found.iter().find(|(n, _)| n == name) {
+            Some((_, cols)) => IndexAdvice {
+                name: name.to_owned(),
+                found: format!(
+                    "it is on ({}), not ({})",
+                    cols.join(", "),
+                    wanted.join(", ")
+                ),
+                fix: vec![format!(
+                    "ALTER TABLE {table} DROP INDEX {}, ADD {definition}",
+                    ident(name)
+                )],
+            },
+            None => IndexAdvice {
+                name: name.to_owned(),
+                found: format!("no index on ({})", wanted.join(", ")),
+                fix: vec![format!("ALTER TABLE {table} ADD {definition}")],
+            },
+        });
+    }
+    Ok(out)
 }
 
 /// The DROP statements that undo [`ddl`].

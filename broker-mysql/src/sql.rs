@@ -93,6 +93,8 @@ pub(crate) enum P {
     After,
     /// ... and the least group, `''`, when the walk starts at the first group (NULL otherwise).
     First,
+    /// The n-th key column of the key an advisory key walk starts after.
+    KeyAfter(usize),
 }
 
 /// The values a statement's parameters take.
@@ -109,6 +111,8 @@ pub(crate) struct Args<'a> {
     pub(crate) held_attempt: i64,
     /// The ids a claim window's take locks from (see [`crate::window`]).
     pub(crate) candidates: &'a [i64],
+    /// The key columns of the key an advisory key walk starts after.
+    pub(crate) key_after: &'a [String],
 }
 
 /// SQL text with its parameters in order, built up from fragments.
@@ -265,6 +269,7 @@ impl Stmt {
                 P::Group => q.bind(a.group),
                 P::HeldAttempt => q.bind(a.held_attempt),
                 P::After | P::First => unreachable!("the walk's start is only written in"),
+                P::KeyAfter(i) => q.bind(a.key_after.get(*i).map(String::as_str)),
                 P::Candidate(i) => q.bind(
                     a.candidates
                         .get(*i)

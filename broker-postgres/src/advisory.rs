@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
 use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -63,9 +63,9 @@ impl Drop for KeyLock {
     }
 }
 
-/// The key of a row as SQL, and the template's literal pieces it binds from parameter `first`
-/// on: `concat` reads NULL as the empty string, as the template does.
-fn key_expr(t: &TableDescription, first: usize) -> (String, Vec<String>) {
+/// The key of a row (`alias`) as SQL, and the template's literal pieces it binds from parameter
+/// `first` on: `concat` reads NULL as the empty string, as the template does.
+fn key_expr(t: &TableDescription, alias: &str, first: usize) -> (String, Vec<String>) {
     let template = t.advisory_lock().expect("advisory mode has a template");
     let mut literals = Vec::new();
     let parts: Vec<String> = template
@@ -76,7 +76,7 @@ fn key_expr(t: &TableDescription, first: usize) -> (String, Vec<String>) {
                 literals.push(text.clone());
                 format!("${}::text", first + literals.len() - 1)
             }
-            KeyPart::Column(c) => format!("q.{}", ident(c)),
+            KeyPart::Column(c) => format!("{alias}.{}", ident(c)),
         })
         .collect();
     (format!("concat({})", parts.join(", ")), literals)
@@ -90,6 +90,9 @@ pub struct PgAdvisory {
     /// The template's literal pieces, bound after each statement's own parameters.
     literals: Vec<String>,
     candidates: Arc<str>,
+    /// The key walk from the first key, and from just after a key (see [`key_walk`]); `None`
+    /// for a table without one.
+    walk: Option<[Arc<str>; 2]>,
     take: Arc<str>,
     /// FIFO tables: the guard prefix the take binds.
     guard: Option<String>,
@@ -103,29 +106,37 @@ impl PgAdvisory {
     pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
         let s = Statements::new(&table, columns);
         // $1 now, $2 limit, literals from $3, then the skip.
-        let (key, literals) = key_expr(&table, 3);
-        // The held keys are read once per claim, as a hashed subplan the rows are probed
-        // against (`NOT IN` over an uncorrelated subquery; the hashes are never NULL): a
-        // correlated `NOT EXISTS` read all of pg_locks again for every row it passed, 6x slower
-        // with 10,000 rows of one held key ahead (EXPLAIN ANALYZE: 13.6 ms against 2.1 ms),
-        // and slower the more locks the server holds.
-        // The skip comes after the template's literals.
+        let (key, literals) = key_expr(&table, "q", 3);
+        // Whether another session holds a row's key: the held keys are read once per statement,
+        // as a hashed subplan each row is probed against (`IN` over an uncorrelated subquery;
+        // the hashes are never NULL). A correlated `EXISTS` read all of pg_locks again for every
+        // row (EXPLAIN ANALYZE, 10,000 rows of one held key: 13.6 ms against 2.1 ms). The
+        // candidates only mark such rows, so that a window of held keys costs one read and the
+        // claim goes on with the key walk, instead of scanning past every row of a held key.
+        let held = |key: &str| {
+            format!(
+                "hashtextextended({key}, 0) IN (SELECT (l.classid::int8 << 32) | l.objid::int8 \
+                 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+                 AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database()))"
+            )
+        };
         let skip = 3 + literals.len();
         let candidates = format!(
-            "SELECT q.{id}::int8, {key} FROM {t} AS q WHERE {claimable} \
-             AND hashtextextended({key}, 0) NOT IN (SELECT (l.classid::int8 << 32) | l.objid::int8 \
-                 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
-                 AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database())) \
+            "SELECT q.{id}::int8, {key}, {held} FROM {t} AS q WHERE {claimable} \
              ORDER BY {order} LIMIT $2::int8 OFFSET ${skip}::int8",
             id = s.id,
+            held = held(&key),
             t = s.table,
             claimable = s.claimable,
             order = s.order,
         );
+        let walk = table.key_walk_columns().map(|_| {
+            [false, true].map(|after| Arc::from(key_walk(&s, &table, &held, literals.len(), after)))
+        });
         // $1 now, $2 id, $3 the locked key, literals from $4; FIFO: the guard prefix after them.
         // The key must still be the row's key: a row whose key columns changed since the
         // candidates were read is not this lock's to take.
-        let (key, _) = key_expr(&table, 4);
+        let (key, _) = key_expr(&table, "q", 4);
         let still = format!(" AND q.{id} = $2::int8 AND {key} = $3::text", id = s.id);
         let columns = s.claimed_columns(true);
         let (take, guard) = match table.group().filter(|_| table.fifo()) {
@@ -160,6 +171,7 @@ impl PgAdvisory {
             table,
             literals,
             candidates: candidates.into(),
+            walk,
             take: take.into(),
             guard,
             settle,
@@ -168,6 +180,9 @@ impl PgAdvisory {
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![("candidates", &*self.candidates), ("take", &*self.take)];
+        if let Some([first, after]) = &self.walk {
+            out.extend([("key walk", &**first), ("key walk after", &**after)]);
+        }
         out.extend(self.settle.named());
         out
     }
@@ -175,6 +190,91 @@ impl PgAdvisory {
     fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
+}
+
+/// The key walk of an advisory table (see [`AdvisoryStrategy::walk_keys`]): a recursive
+/// statement whose every step is one probe of the key index (the key columns, id; over
+/// unfinished rows) for the next key, from the first or (`after`) from just after the key whose
+/// columns are bound as text after the template's literals, pulled only as far as the `LIMIT`
+/// ($2) asks; for each key its columns as text, its first claimable row by id (NULL when it has
+/// none), the key and whether another session holds it. The bound columns are read into the
+/// table's own column types through `json_populate_record` on the table's row type, so a key of
+/// any type compares in the index's order (a stable expression, so it is an index bound). Keys
+/// with a NULL column are not visited.
+fn key_walk(
+    s: &Statements,
+    t: &TableDescription,
+    held: &dyn Fn(&str) -> String,
+    literals: usize,
+    after: bool,
+) -> String {
+    let (tbl, id) = (&s.table, &s.id);
+    let cols: Vec<String> = t
+        .key_walk_columns()
+        .unwrap_or_default()
+        .into_iter()
+        .map(ident)
+        .collect();
+    let tuple = |alias: &str| {
+        let list: Vec<String> = cols.iter().map(|c| format!("{alias}.{c}")).collect();
+        format!("({})", list.join(", "))
+    };
+    let listed = |alias: &str| {
+        cols.iter()
+            .map(|c| format!("{alias}.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let unf_n: String = t
+        .unfinished_columns()
+        .into_iter()
+        .map(|c| format!(" AND n.{} IS NULL", ident(c)))
+        .collect();
+    let not_null: String = cols
+        .iter()
+        .map(|c| format!(" AND n.{c} IS NOT NULL"))
+        .collect();
+    let start = if after {
+        let first = 3 + literals;
+        let object: Vec<String> = t
+            .key_walk_columns()
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("'{}', ${}::text", c.replace('\'', "''"), first + i))
+            .collect();
+        let typed: Vec<String> = cols
+            .iter()
+            .map(|c| {
+                format!(
+                    "(json_populate_record(NULL::{tbl}, json_build_object({}))).{c}",
+                    object.join(", ")
+                )
+            })
+            .collect();
+        format!(" AND {} > ({})", tuple("n"), typed.join(", "))
+    } else {
+        String::new()
+    };
+    let same_key: Vec<String> = cols.iter().map(|c| format!("q.{c} = w.{c}")).collect();
+    let read: Vec<String> = cols.iter().map(|c| format!("w.{c}::text")).collect();
+    let (key, _) = key_expr(t, "w", 3);
+    format!(
+        "WITH RECURSIVE sqlx_broker_keys AS (\
+         (SELECT {n_cols} FROM {tbl} AS n WHERE TRUE{not_null}{unf_n}{start} ORDER BY {n_cols} LIMIT 1) \
+         UNION ALL SELECT {x_cols} FROM sqlx_broker_keys AS p, LATERAL (SELECT {n_cols} FROM {tbl} AS n \
+         WHERE {n_tuple} > {p_tuple}{unf_n} ORDER BY {n_cols} LIMIT 1) AS x) \
+         SELECT {read}, (SELECT q.{id}::int8 FROM {tbl} AS q WHERE {same_key} AND {claimable} ORDER BY q.{id} LIMIT 1), \
+         {key}, {held} FROM sqlx_broker_keys AS w LIMIT $2::int8",
+        n_cols = listed("n"),
+        x_cols = listed("x"),
+        n_tuple = tuple("n"),
+        p_tuple = tuple("p"),
+        read = read.join(", "),
+        same_key = same_key.join(" AND "),
+        claimable = s.claimable,
+        held = held(&key),
+    )
 }
 
 impl AdvisoryStrategy for PgAdvisory {
@@ -203,9 +303,59 @@ impl AdvisoryStrategy for PgAdvisory {
                 Ok(Candidate {
                     id: row.try_get(0).map_err(self.err("candidates"))?,
                     key: row.try_get(1).map_err(self.err("candidates"))?,
+                    held: row.try_get(2).map_err(self.err("candidates"))?,
                 })
             })
             .collect()
+    }
+
+    async fn walk_keys(
+        &self,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<KeyWalk> {
+        let Some([first, later]) = &self.walk else {
+            return Ok(KeyWalk::default());
+        };
+        let sql = if after.is_some() { later } else { first };
+        let rows = with_retries(|| async {
+            let mut q = query(sql, true)
+                .bind(now_ms)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+            for literal in &self.literals {
+                q = q.bind(literal.clone());
+            }
+            for v in after.unwrap_or_default() {
+                q = q.bind(v.clone());
+            }
+            q.fetch_all(&self.pool)
+                .await
+                .map_err(Failed::new("key walk"))
+        })
+        .await
+        .map_err(|e| e.on(self.table.name()))?;
+        let n = self.table.key_walk_columns().map_or(0, |c| c.len());
+        let mut walk = KeyWalk {
+            visited: rows.len(),
+            ..KeyWalk::default()
+        };
+        for row in &rows {
+            let values = (0..n)
+                .map(|i| row.try_get::<String, _>(i))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(self.err("key walk"))?;
+            let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
+            if let Some(id) = id {
+                walk.candidates.push(Candidate {
+                    id,
+                    key: row.try_get(n + 1).map_err(self.err("key walk"))?,
+                    held: row.try_get(n + 2).map_err(self.err("key walk"))?,
+                });
+            }
+            walk.last = Some(values);
+        }
+        Ok(walk)
     }
 
     /// Tries the key's lock on a pool connection of its own; the connection goes back to the

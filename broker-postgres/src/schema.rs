@@ -84,7 +84,9 @@ fn index_name(table: &str, suffix: &str) -> String {
 /// The DDL of a description: the table, the index the claim reads (partial: only unfinished
 /// rows, in claim order: priority, due time, id; on a FIFO table only the rows without a
 /// group), the group index (group, id) over unfinished rows that a FIFO claim visits the groups
-/// and finds their heads through, and the dead-letter table with the same columns in the same
+/// and finds their heads through, on an advisory table without groups the key index (the key
+/// template's columns, id) over unfinished rows that the key walk visits the keys through, and
+/// the dead-letter table with the same columns in the same
 /// order (so a row moves with `INSERT .. SELECT *`).
 pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     let table = ident(t.name());
@@ -104,6 +106,9 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
             ident(t.id())
         ));
     }
+    if let Some(sql) = key_index(t) {
+        out.push(sql);
+    }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!(
             "CREATE TABLE IF NOT EXISTS {} ({})",
@@ -112,6 +117,20 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         ));
     }
     out
+}
+
+/// The key index of an advisory table with a key walk: the key template's columns, the id,
+/// over unfinished rows ([`TableDescription::key_walk_columns`]).
+fn key_index(t: &TableDescription) -> Option<String> {
+    let cols: Vec<String> = t.key_walk_columns()?.into_iter().map(ident).collect();
+    Some(format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {} ({}, {}){}",
+        ident(&index_name(t.name(), "key")),
+        ident(t.name()),
+        cols.join(", "),
+        ident(t.id()),
+        partial(t)
+    ))
 }
 
 /// The claim index's key columns, in the claim's order: the priority (highest first), the due
@@ -238,6 +257,16 @@ pub(crate) async fn index_advice(
         wanted.push((
             index_name(t.name(), "group"),
             vec![plain(g), plain(t.id())],
+            conditions(&unfinished(t).join(" AND ")),
+            sql,
+        ));
+    }
+    if let (Some(cols), Some(sql)) = (t.key_walk_columns(), key_index(t)) {
+        let mut keys: Vec<String> = cols.into_iter().map(plain).collect();
+        keys.push(plain(t.id()));
+        wanted.push((
+            index_name(t.name(), "key"),
+            keys,
             conditions(&unfinished(t).join(" AND ")),
             sql,
         ));

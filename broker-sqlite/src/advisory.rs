@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -18,6 +18,9 @@ pub struct SqliteAdvisory {
     keys: Arc<KeyTable>,
     template: KeyTemplate,
     candidates: String,
+    /// The key walk from the first key, and from just after a key (see [`key_walk`]); `None`
+    /// for a table without one.
+    walk: Option<[String; 2]>,
     take: String,
     settle: SettleStatements,
 }
@@ -51,12 +54,16 @@ impl SqliteAdvisory {
             ret = s.returning_counted(),
         );
         let settle = s.settle(&table, &format!(" AND {} = ?3", s.attempt));
+        let walk = table
+            .key_walk_columns()
+            .map(|cols| [false, true].map(|after| key_walk(&s, &table, &cols, after)));
         Self {
             pool,
             table,
             keys,
             template,
             candidates,
+            walk,
             take,
             settle,
         }
@@ -67,6 +74,12 @@ impl SqliteAdvisory {
             ("candidates", self.candidates.as_str()),
             ("take", self.take.as_str()),
         ];
+        if let Some([first, after]) = &self.walk {
+            out.extend([
+                ("key walk", first.as_str()),
+                ("key walk after", after.as_str()),
+            ]);
+        }
         out.extend(self.settle.named());
         out
     }
@@ -74,6 +87,57 @@ impl SqliteAdvisory {
     fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
+}
+
+/// The key walk of an advisory table (see [`AdvisoryStrategy::walk_keys`]): a recursive
+/// statement whose every step is one probe of the key index (the key columns, id; over
+/// unfinished rows) for the first row of the next key, from the first key or (`after`) from
+/// just after the key bound from `?3` on, up to `?2` keys; for each, its key columns as text
+/// and its first claimable row by id (NULL when it has none). Keys with a NULL column are not
+/// visited. A step names the row it stopped on by id, because a SQLite scalar subquery yields
+/// one column; the bounded walk is then joined back to read the key.
+fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool) -> String {
+    let (tbl, id) = (&s.table, &s.id);
+    let cols: Vec<String> = columns.iter().map(|c| ident(c)).collect();
+    let tuple = |alias: &str| {
+        let list: Vec<String> = cols.iter().map(|c| format!("{alias}.{c}")).collect();
+        format!("({})", list.join(", "))
+    };
+    let order_n: Vec<String> = cols.iter().map(|c| format!("n.{c}")).collect();
+    let order_n = format!("{}, n.{id}", order_n.join(", "));
+    let unf_n: String = t
+        .unfinished_columns()
+        .into_iter()
+        .map(|c| format!(" AND n.{} IS NULL", ident(c)))
+        .collect();
+    let not_null: String = cols
+        .iter()
+        .map(|c| format!(" AND n.{c} IS NOT NULL"))
+        .collect();
+    let start = if after {
+        let params: Vec<String> = (0..cols.len()).map(|i| format!("?{}", i + 3)).collect();
+        format!(" AND {} > ({})", tuple("n"), params.join(", "))
+    } else {
+        String::new()
+    };
+    let same_key: Vec<String> = cols.iter().map(|c| format!("h.{c} = p.{c}")).collect();
+    let read: Vec<String> = cols
+        .iter()
+        .map(|c| format!("CAST(p.{c} AS TEXT)"))
+        .collect();
+    format!(
+        "WITH RECURSIVE sqlx_broker_keys (id, n) AS (\
+         SELECT (SELECT n.{id} FROM {tbl} AS n WHERE 1 = 1{not_null}{unf_n}{start} ORDER BY {order_n} LIMIT 1), 1 \
+         UNION ALL SELECT (SELECT n.{id} FROM {tbl} AS p, {tbl} AS n WHERE p.{id} = w.id AND {np} > {pp}{unf_n} \
+         ORDER BY {order_n} LIMIT 1), w.n + 1 FROM sqlx_broker_keys AS w WHERE w.id IS NOT NULL AND w.n < ?2) \
+         SELECT {read}, (SELECT h.{id} FROM {tbl} AS h WHERE {same_key} AND {claimable} ORDER BY h.{id} LIMIT 1) \
+         FROM sqlx_broker_keys AS w JOIN {tbl} AS p ON p.{id} = w.id ORDER BY w.n",
+        np = tuple("n"),
+        pp = tuple("p"),
+        read = read.join(", "),
+        same_key = same_key.join(" AND "),
+        claimable = s.claimable,
+    )
 }
 
 impl AdvisoryStrategy for SqliteAdvisory {
@@ -98,9 +162,54 @@ impl AdvisoryStrategy for SqliteAdvisory {
                 Ok(Candidate {
                     id,
                     key: self.template.render(&values),
+                    held: false,
                 })
             })
             .collect()
+    }
+
+    async fn walk_keys(
+        &self,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> Result<KeyWalk> {
+        let Some([first, later]) = &self.walk else {
+            return Ok(KeyWalk::default());
+        };
+        let sql = if after.is_some() { later } else { first };
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .bind(now_ms)
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+        for v in after.unwrap_or_default() {
+            q = q.bind(v.as_str());
+        }
+        let rows = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("key walk"))?;
+        let n = self.table.key_walk_columns().map_or(0, |c| c.len());
+        let mut walk = KeyWalk {
+            visited: rows.len(),
+            ..KeyWalk::default()
+        };
+        for row in &rows {
+            let values = (0..n)
+                .map(|i| row.try_get::<String, _>(i))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(self.err("key walk"))?;
+            let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
+            if let Some(id) = id {
+                let cols: Vec<Option<String>> = values.iter().cloned().map(Some).collect();
+                walk.candidates.push(Candidate {
+                    id,
+                    key: self.template.render(&cols),
+                    held: false,
+                });
+            }
+            walk.last = Some(values);
+        }
+        Ok(walk)
     }
 
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {

@@ -89,7 +89,9 @@ fn partial(t: &TableDescription, ungrouped: bool) -> String {
 /// The indexes the claims read, by name: the claim index (priority, due time as
 /// [`due_key`](crate::sql::due_key) sorts it, id; partial over unfinished rows, and on a FIFO
 /// table over those without a group) and, with a group column, the group index (group, id)
-/// over unfinished rows, that a FIFO claim visits the groups and finds their heads through. A plain table without a
+/// over unfinished rows, that a FIFO claim visits the groups and finds their heads through; on an
+/// advisory table without FIFO groups the key index (the key template's columns, id) over
+/// unfinished rows, that the key walk visits the keys through. A plain table without a
 /// priority, a due time or a finishing column gets no claim index: its claim order is the
 /// primary key's, and an index on (id) alone would cost every insert a second write.
 pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
@@ -116,6 +118,16 @@ pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
             "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){}",
             ident(&format!("{}_group", t.name())),
             ident(g),
+            ident(t.id()),
+            partial(t, false)
+        ));
+    }
+    if let Some(cols) = t.key_walk_columns() {
+        let cols: Vec<String> = cols.iter().map(|c| ident(c)).collect();
+        out.push(format!(
+            "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){}",
+            ident(&format!("{}_key", t.name())),
+            cols.join(", "),
             ident(t.id()),
             partial(t, false)
         ));

@@ -147,6 +147,15 @@ pub trait TestDb: Send + Sync + 'static {
         ]
     }
 
+    /// Statements that drop the key index the DDL helper makes on an advisory table (as a
+    /// table made by an earlier helper, or by hand, lacks it).
+    fn drop_key_index(table: &str) -> Vec<String> {
+        vec![format!(
+            "DROP INDEX {}",
+            Self::quote(&format!("{table}_key"))
+        )]
+    }
+
     /// Whether the backend offers `mode` (asked of a broker of its own).
     fn offers(mode: ClaimMode) -> impl Future<Output = bool> + Send {
         async move {

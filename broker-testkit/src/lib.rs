@@ -58,6 +58,8 @@ macro_rules! conformance_suite {
             prefetched_rows_keep_their_leases_while_they_wait,
             rows_with_one_key_never_overlap_while_other_keys_run,
             rows_of_other_keys_are_claimed_past_many_rows_of_a_held_key,
+            the_key_walk_passes_a_held_key_of_any_length,
+            a_missing_key_index_is_named_with_the_statement_that_makes_it,
             a_publish_in_a_rolled_back_transaction_leaves_no_row,
             a_settlement_after_close_is_refused,
             a_publish_wakes_an_idle_subscription,

@@ -111,6 +111,22 @@ pub struct Candidate {
     pub id: i64,
     /// The rendered advisory key.
     pub key: String,
+    /// Whether the backend already found the key held by another session (a read that checks
+    /// keys in bulk); the claim passes such a candidate over without trying its lock, and
+    /// counts it as read, so a window full of held keys still reads on.
+    pub held: bool,
+}
+
+/// What one step of an advisory key walk found (see [`AdvisoryStrategy::walk_keys`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyWalk {
+    /// For each key visited that has a claimable row, its first (by id).
+    pub candidates: Vec<Candidate>,
+    /// The values of the key columns of the last key visited, as text: where the next step
+    /// starts after. `None` when no key was visited.
+    pub last: Option<Vec<String>>,
+    /// How many keys were visited; fewer than asked means the walk reached the last key.
+    pub visited: usize,
 }
 
 /// What a settlement does to the row.
@@ -290,6 +306,19 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
         skip: usize,
         now_ms: i64,
     ) -> impl Future<Output = Result<Vec<Candidate>>> + Send;
+
+    /// Advisory tables without FIFO groups: visits the keys (the tuples of the key template's
+    /// columns, none of them NULL) in the order of the key index, from just after the key whose
+    /// column values are `after` (`None`: from the first), at most `limit` keys, and returns
+    /// for each its first claimable row by id. One index probe per key visited, whatever the
+    /// number of rows under it: the claim walks when a window in claim order held only rows of
+    /// keys in work, so that rows of one busy key ahead cost each claim nothing.
+    fn walk_keys(
+        &self,
+        after: Option<&[String]>,
+        limit: usize,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<KeyWalk>> + Send;
 
     /// Tries the key's lock without waiting; `None` when another session holds it.
     fn try_lock(&self, key: &str) -> impl Future<Output = Result<Option<Self::KeyLock>>> + Send;

@@ -74,12 +74,24 @@ impl<B: Backend> Drop for KeyHold<B> {
     }
 }
 
-/// Candidate reads one claim makes at most while every row it read was under a held key: each
-/// window four times the last (16, 64, 256, 1,024, 4,096 rows for a claim of up to four), so a
-/// claim passes up to about 5,000 rows of held keys before it gives up until its next poll.
+/// Candidate reads one claim makes at most while every row it read was under a held key: on a
+/// FIFO table each window four times the last (16, 64, 256, 1,024, 4,096 rows for a claim of up
+/// to four), so a claim passes up to about 5,000 rows of held keys before it gives up until its
+/// next poll; otherwise the first read in claim order and then up to four steps of the key walk.
 const CANDIDATE_READS: usize = 5;
 
+/// Keys one step of the key walk visits.
+const WALK_KEYS: usize = 32;
+
 /// Claims up to `limit` rows: a key lock and a take for each.
+///
+/// Candidates come in claim order first. When a full window of them held only rows whose keys
+/// are in work (one busy key ahead of the rest), the claim visits the keys instead, one index
+/// probe per key from just after the key the last walk stopped at ([`AdvisoryStrategy::walk_keys`]),
+/// so the busy key's backlog costs nothing however long it is. Tables without a key walk
+/// ([`TableDescription::key_walk_columns`](crate::TableDescription::key_walk_columns): FIFO
+/// tables, whose candidates are group heads, and keys read from the id alone) read on in claim
+/// order, in growing windows.
 pub(crate) async fn claim<B: Backend>(
     strategy: &Arc<B::Advisory>,
     shared: &Arc<Shared<B>>,
@@ -88,35 +100,60 @@ pub(crate) async fn claim<B: Backend>(
 ) -> Result<Vec<(ClaimedRow<B::Db>, KeyHold<B>)>> {
     let s = &**strategy;
     let broker = &shared.broker;
+    let walks = shared.table.key_walk_columns().is_some();
     let mut out = Vec::new();
     // Ask for more candidates than slots: some keys will be held elsewhere, and the rest serve
     // the next claims.
     let mut window = limit.saturating_mul(4).max(16);
     let mut reads = 0;
     let mut skip = 0;
-    // Whether the last read filled its window (there may be more rows after it).
-    let mut full = false;
+    // Whether the last read may have more rows after it (a full window, or a walk that has
+    // keys left to visit).
+    let mut more = false;
     while out.len() < limit {
         // Candidates left over by a recent read come first; the lock and the take check each
         // one again, so a stale one costs a statement, never a wrong claim.
         let c = match shared.candidates.pop() {
             Some(c) => c,
-            // A read whose every row was passed over (its keys held) and that filled its window
-            // reads on past it, in growing windows: otherwise rows of one held key filling the
-            // window would keep every other key's rows waiting until they drained one by one.
-            None if reads > 0 && !(full && out.is_empty() && reads < CANDIDATE_READS) => break,
+            // A read whose every row was passed over (its keys held) reads on: otherwise rows of
+            // one held key filling the window would keep every other key's rows waiting until
+            // they drained one by one.
+            None if reads > 0 && !(more && out.is_empty() && reads < CANDIDATE_READS) => break,
+            None if reads > 0 && walks => {
+                reads += 1;
+                let after = shared
+                    .key_cursor
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                let walk = s.walk_keys(after.as_deref(), WALK_KEYS, now_ms).await?;
+                // A step that reached the last key starts the next from the first; one that
+                // started there and reached it has seen every key.
+                more = walk.visited == WALK_KEYS || after.is_some();
+                *shared.key_cursor.lock().unwrap_or_else(|p| p.into_inner()) =
+                    if walk.visited < WALK_KEYS {
+                        None
+                    } else {
+                        walk.last
+                    };
+                shared.candidates.refill(walk.candidates);
+                continue;
+            }
             None => {
                 if reads > 0 {
                     window = window.saturating_mul(4);
                 }
                 reads += 1;
                 let fresh = s.candidates(window, skip, now_ms).await?;
-                full = fresh.len() == window;
+                more = fresh.len() == window;
                 skip = skip.saturating_add(fresh.len());
                 shared.candidates.refill(fresh);
                 continue;
             }
         };
+        if c.held {
+            continue;
+        }
         // A key this broker holds already is skipped without spending a connection; the insert
         // also reserves the key against this broker's other claims.
         if broker.key_is_held(&c.key) || !broker.hold_key(&c.key) {
