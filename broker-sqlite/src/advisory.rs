@@ -37,8 +37,10 @@ impl SqliteAdvisory {
             .iter()
             .map(|c| format!("CAST({} AS TEXT)", ident(c)))
             .collect();
+        // `+?2`, `+?3`: bound, a whole LIMIT or OFFSET would prepare the statement again on
+        // every read (see the lease claim in `crate::lease`).
         let candidates = format!(
-            "SELECT {id}, {keys} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT ?2 OFFSET ?3",
+            "SELECT {id}, {keys} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT +?2 OFFSET +?3",
             id = s.id,
             keys = key_columns.join(", "),
             t = s.table,
@@ -90,8 +92,8 @@ impl SqliteAdvisory {
 }
 
 /// The key walk of an advisory table (see [`AdvisoryStrategy::walk_keys`]): a recursive
-/// statement whose every step is one probe of the key index (the key columns, id; over
-/// unfinished rows) for the first row of the next key, from the first key or (`after`) from
+/// statement whose every step probes the key index (the key columns, id; over unfinished rows)
+/// for the first row of the next key, at most once per key column, from the first key or (`after`) from
 /// just after the key bound from `?3` on, up to `?2` keys; for each, its key columns as text
 /// and its first claimable row by id (NULL when it has none). Keys with a NULL column are not
 /// visited. A step names the row it stopped on by id, because a SQLite scalar subquery yields
@@ -120,20 +122,41 @@ fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool)
     } else {
         String::new()
     };
+    // The next key after row p's: SQLite 3.51 reads `(n.a, n.b) > (p.a, p.b)` with p a
+    // column of the same step as the range `n.a >= p.a` only, passing every row of p's key
+    // (0.7 ms a step past 10,000 rows), so each column gets a seek of its own, the last column
+    // first: same earlier columns and a greater one here.
+    let seeks: Vec<String> = (0..cols.len())
+        .rev()
+        .map(|i| {
+            let mut conds: Vec<String> =
+                cols[..i].iter().map(|c| format!("n.{c} = p.{c}")).collect();
+            conds.push(format!("n.{c} > p.{c}", c = cols[i]));
+            format!(
+                "(SELECT n.{id} FROM {tbl} AS n WHERE {}{unf_n} ORDER BY {order_n} LIMIT 1)",
+                conds.join(" AND ")
+            )
+        })
+        .collect();
+    let next = if seeks.len() == 1 {
+        seeks[0].clone()
+    } else {
+        format!("COALESCE({})", seeks.join(", "))
+    };
     let same_key: Vec<String> = cols.iter().map(|c| format!("h.{c} = p.{c}")).collect();
     let read: Vec<String> = cols
         .iter()
         .map(|c| format!("CAST(p.{c} AS TEXT)"))
         .collect();
+    // CROSS JOIN keeps the walk the outer loop: SQLite 3.51 otherwise scanned the whole key
+    // index and looked each row up in the walk (7.8 ms against 0.7 ms).
     format!(
         "WITH RECURSIVE sqlx_broker_keys (id, n) AS (\
          SELECT (SELECT n.{id} FROM {tbl} AS n WHERE 1 = 1{not_null}{unf_n}{start} ORDER BY {order_n} LIMIT 1), 1 \
-         UNION ALL SELECT (SELECT n.{id} FROM {tbl} AS p, {tbl} AS n WHERE p.{id} = w.id AND {np} > {pp}{unf_n} \
-         ORDER BY {order_n} LIMIT 1), w.n + 1 FROM sqlx_broker_keys AS w WHERE w.id IS NOT NULL AND w.n < ?2) \
+         UNION ALL SELECT (SELECT {next} FROM {tbl} AS p WHERE p.{id} = w.id), w.n + 1 \
+         FROM sqlx_broker_keys AS w WHERE w.id IS NOT NULL AND w.n < ?2) \
          SELECT {read}, (SELECT h.{id} FROM {tbl} AS h WHERE {same_key} AND {claimable} ORDER BY h.{id} LIMIT 1) \
-         FROM sqlx_broker_keys AS w JOIN {tbl} AS p ON p.{id} = w.id ORDER BY w.n",
-        np = tuple("n"),
-        pp = tuple("p"),
+         FROM sqlx_broker_keys AS w CROSS JOIN {tbl} AS p ON p.{id} = w.id ORDER BY w.n",
         read = read.join(", "),
         same_key = same_key.join(" AND "),
         claimable = s.claimable,
