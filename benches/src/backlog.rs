@@ -8,7 +8,7 @@
 //! | shape | the rows ahead | plain version |
 //! |---|---|---|
 //! | `notdue` | scheduled an hour ahead (`due_at`), as after a retry storm or for scheduled jobs | every row due |
-//! | `fifobusy` | one FIFO group (its head runs one at a time), the rest in 10,000 groups | every row in the 10,000 groups |
+//! | `fifobusy` | one FIFO group (its head runs one at a time), the rest in 10,000 groups (row lock, lease, advisory) | every row in the 10,000 groups |
 //! | `heldkey` | one advisory key (held by the delivery of its head), the rest under 10,000 keys | every row under the 10,000 keys |
 //!
 //! The tables are the DDL helper's (`broker.create_tables`), filled by one `INSERT .. SELECT`
@@ -59,7 +59,7 @@ impl Shape {
     pub fn modes(self, db: Db) -> Vec<ClaimMode> {
         let modes = match self {
             Shape::NotDue => vec![ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory],
-            Shape::FifoBusy => vec![ClaimMode::RowLock, ClaimMode::Lease],
+            Shape::FifoBusy => vec![ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory],
             Shape::HeldKey => vec![ClaimMode::Advisory],
         };
         modes

@@ -274,14 +274,24 @@ impl TableDescription {
     pub fn locked_until(&self) -> Option<&str> {
         self.locked_until.as_deref()
     }
-    /// The columns an advisory claim's key walk visits the keys by (the key template's, in
-    /// order of first use), and so the columns of the key index the DDL helper creates before
-    /// the id: `None` when the table has no walk (not advisory, a FIFO table, whose claim
-    /// visits the groups, or a template that reads only the id, where every row is its own
-    /// key and nothing can wait behind a held one).
-    pub fn key_walk_columns(&self) -> Option<Vec<&str>> {
+    /// The columns of the key index the DDL helper creates before the id on an advisory table:
+    /// the key template's, in order of first use. `None` when the table gets none: not
+    /// advisory, a FIFO table (its walk reads the group index), or a template that reads only
+    /// the id (every row is its own key, so nothing can wait behind a held one).
+    pub fn key_index_columns(&self) -> Option<Vec<&str>> {
         let cols = self.advisory_lock.as_ref()?.columns();
         (!self.fifo && cols != [self.id()]).then_some(cols)
+    }
+
+    /// The columns an advisory claim's walk visits when a window in claim order held only keys
+    /// in work: on a FIFO table the group column (through the group index, taking each group's
+    /// head), otherwise the [key index's](Self::key_index_columns). `None`: no walk.
+    pub fn key_walk_columns(&self) -> Option<Vec<&str>> {
+        self.advisory_lock.as_ref()?;
+        match self.group().filter(|_| self.fifo) {
+            Some(g) => Some(vec![g]),
+            None => self.key_index_columns(),
+        }
     }
 
     /// The advisory key template (advisory mode).

@@ -159,6 +159,15 @@ impl MySqlAdvisory {
             s.table
         ))
         .append(&s.claimable)
+        // On a FIFO table only rows without a group (the claim index leads with the group;
+        // grouped rows come through the walk of the groups).
+        .push(
+            &table
+                .group()
+                .filter(|_| table.fifo())
+                .map(|g| format!(" AND {}.{} IS NULL", s.table, ident(g)))
+                .unwrap_or_default(),
+        )
         .push(&format!(" ORDER BY {} LIMIT ", s.order))
         .param(P::Limit)
         .push(" OFFSET ")
@@ -166,7 +175,7 @@ impl MySqlAdvisory {
         .stmt("candidates");
         let walk = table
             .key_walk_columns()
-            .map(|cols| [false, true].map(|after| key_walk(&s, &cols, after)));
+            .map(|cols| [false, true].map(|after| key_walk(&s, &table, &cols, after)));
         let probe = format!(
             "SELECT {}",
             vec!["CAST(IS_FREE_LOCK(?) AS SIGNED)"; PROBES].join(", ")
@@ -355,10 +364,13 @@ impl MySqlAdvisory {
                 .map_err(self.err("key walk"))?;
             let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
             if let Some(id) = id {
-                let cols: Vec<Option<String>> = values.iter().cloned().map(Some).collect();
+                let key = (n + 1..row.len())
+                    .map(|i| row.try_get::<Option<String>, _>(i))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(self.err("key walk"))?;
                 walk.candidates.push(Candidate {
                     id,
-                    key: self.template.render(&cols),
+                    key: self.template.render(&key),
                     held: false,
                 });
             }
@@ -447,22 +459,35 @@ impl MySqlAdvisory {
 /// column are not visited. "After" is written out column by column (`c1 > ? OR (c1 = ? AND c2 >
 /// ?)`), which both servers read as ranges of the index. There are no partial indexes here, so
 /// a table that keeps its acked rows (`processed_at`) passes keys whose rows are all finished.
-fn key_walk(s: &Statements, columns: &[&str], after: bool) -> Stmt {
+fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool) -> Stmt {
     let cols: Vec<String> = columns.iter().map(|c| ident(c)).collect();
+    let fifo = t.fifo();
     let listed = |alias: &str| {
         cols.iter()
             .map(|c| format!("{alias}.{c}"))
             .collect::<Vec<_>>()
             .join(", ")
     };
+    // A FIFO table walks the group index (group, unfinished columns, id) and reads each
+    // group's head as its least unfinished id.
+    let mut conditions: Vec<String> = cols.iter().map(|c| format!("n.{c} IS NOT NULL")).collect();
+    if fifo {
+        conditions.extend(
+            t.unfinished_columns()
+                .into_iter()
+                .map(|c| format!("n.{} IS NULL", ident(c))),
+        );
+    }
     let mut inner = Sql::new(format!(
-        "SELECT {} FROM {} AS n WHERE {}",
+        "SELECT {}{} FROM {} AS n WHERE {}",
         listed("n"),
+        if fifo {
+            format!(", MIN(n.{}) AS sqlx_broker_head", ident(t.id()))
+        } else {
+            String::new()
+        },
         s.table,
-        cols.iter()
-            .map(|c| format!("n.{c} IS NOT NULL"))
-            .collect::<Vec<_>>()
-            .join(" AND ")
+        conditions.join(" AND ")
     ));
     if after {
         inner = inner.push(" AND (");
@@ -490,13 +515,46 @@ fn key_walk(s: &Statements, columns: &[&str], after: bool) -> Stmt {
             g = listed("n")
         ))
         .param(P::Limit);
+    let read: Vec<String> = cols
+        .iter()
+        .map(|c| format!("CAST(w.{c} AS CHAR)"))
+        .collect();
+    // The key is rendered from the template columns of the row the candidate is in.
+    let template: Vec<String> = t
+        .advisory_lock()
+        .map(|k| k.columns())
+        .unwrap_or_default()
+        .iter()
+        .map(|c| format!("CAST({}.{} AS CHAR)", s.table, ident(c)))
+        .collect();
+    if fifo {
+        // The head is the candidate when it is due and free.
+        return Sql::new(format!("SELECT {}, CASE WHEN ", read.join(", ")))
+            .append(&s.claimable_row)
+            .push(&format!(
+                " THEN CAST({} AS SIGNED) END, {} FROM (",
+                s.id,
+                template.join(", ")
+            ))
+            .append(&inner)
+            .push(&format!(
+                ") AS w STRAIGHT_JOIN {t} ON {id} = w.sqlx_broker_head ORDER BY {}",
+                listed("w"),
+                t = s.table,
+                id = s.id
+            ))
+            .stmt(if after { "key walk after" } else { "key walk" });
+    }
     let same_key: Vec<String> = cols
         .iter()
         .map(|c| format!("{}.{c} = w.{c}", s.table))
         .collect();
-    let read: Vec<String> = cols
+    let first_row: Vec<String> = t
+        .advisory_lock()
+        .map(|k| k.columns())
+        .unwrap_or_default()
         .iter()
-        .map(|c| format!("CAST(w.{c} AS CHAR)"))
+        .map(|c| format!("CAST(w.{} AS CHAR)", ident(c)))
         .collect();
     Sql::new(format!(
         "SELECT {}, (SELECT CAST({} AS SIGNED) FROM {} WHERE {} AND ",
@@ -506,7 +564,11 @@ fn key_walk(s: &Statements, columns: &[&str], after: bool) -> Stmt {
         same_key.join(" AND ")
     ))
     .append(&s.claimable)
-    .push(&format!(" ORDER BY {} LIMIT 1) FROM (", s.id))
+    .push(&format!(
+        " ORDER BY {} LIMIT 1), {} FROM (",
+        s.id,
+        first_row.join(", ")
+    ))
     .append(&inner)
     .push(&format!(") AS w ORDER BY {}", listed("w")))
     .stmt(if after { "key walk after" } else { "key walk" })

@@ -52,7 +52,7 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
     if let Some(p) = t.priority() {
         cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(p)));
     }
-    let walked = t.key_walk_columns().unwrap_or_default();
+    let walked = t.key_index_columns().unwrap_or_default();
     for (c, ty) in t.columns() {
         // A text column of the key walk's index needs a bounded length, as the group's does.
         let ty = if *ty == ColumnType::Text && walked.contains(&c.as_str()) {
@@ -114,10 +114,10 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
 pub(crate) const KEY_INDEX: &str = "sqlx_broker_key";
 
 /// The key index's columns: the key template's, then the id
-/// ([`TableDescription::key_walk_columns`]).
+/// ([`TableDescription::key_index_columns`]).
 fn key_index_columns(t: &TableDescription) -> Option<Vec<String>> {
     let mut cols: Vec<String> = t
-        .key_walk_columns()?
+        .key_index_columns()?
         .into_iter()
         .map(str::to_owned)
         .collect();

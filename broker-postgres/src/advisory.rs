@@ -82,6 +82,15 @@ fn key_expr(t: &TableDescription, alias: &str, first: usize) -> (String, Vec<Str
     (format!("concat({})", parts.join(", ")), literals)
 }
 
+/// On a FIFO table, the condition that keeps the candidates in claim order to the rows without a
+/// group (the claim index holds only those; grouped rows come through the walk of the groups).
+fn ungrouped(t: &TableDescription, prefix: &str) -> String {
+    t.group()
+        .filter(|_| t.fifo())
+        .map(|g| format!(" AND {prefix}{} IS NULL", ident(g)))
+        .unwrap_or_default()
+}
+
 /// The advisory strategy of one PostgreSQL table.
 #[derive(Debug)]
 pub struct PgAdvisory {
@@ -122,12 +131,13 @@ impl PgAdvisory {
         };
         let skip = 3 + literals.len();
         let candidates = format!(
-            "SELECT q.{id}::int8, {key}, {held} FROM {t} AS q WHERE {claimable} \
+            "SELECT q.{id}::int8, {key}, {held} FROM {t} AS q WHERE {claimable}{ungrouped} \
              ORDER BY {order} LIMIT $2::int8 OFFSET ${skip}::int8",
             id = s.id,
             held = held(&key),
             t = s.table,
             claimable = s.claimable,
+            ungrouped = ungrouped(&table, "q."),
             order = s.order,
         );
         let walk = table.key_walk_columns().map(|_| {
@@ -258,21 +268,46 @@ fn key_walk(
     };
     let same_key: Vec<String> = cols.iter().map(|c| format!("q.{c} = w.{c}")).collect();
     let read: Vec<String> = cols.iter().map(|c| format!("w.{c}::text")).collect();
-    let (key, _) = key_expr(t, "w", 3);
+    // A key's first claimable row, its key from the walk's columns (the template's); on a
+    // FIFO table the group's head (its first unfinished row) when due and free, its key from
+    // its own template columns.
+    let (candidate, key, from) = if t.fifo() {
+        let unf_q: String = t
+            .unfinished_columns()
+            .into_iter()
+            .map(|c| format!(" AND q.{} IS NULL", ident(c)))
+            .collect();
+        (
+            format!("CASE WHEN {} THEN q.{id}::int8 END", s.claimable_row),
+            key_expr(t, "q", 3).0,
+            format!(
+                "sqlx_broker_keys AS w CROSS JOIN LATERAL (SELECT * FROM {tbl} AS q WHERE {}{unf_q} \
+                 ORDER BY q.{id} LIMIT 1) AS q",
+                same_key.join(" AND ")
+            ),
+        )
+    } else {
+        (
+            format!(
+                "(SELECT q.{id}::int8 FROM {tbl} AS q WHERE {} AND {} ORDER BY q.{id} LIMIT 1)",
+                same_key.join(" AND "),
+                s.claimable
+            ),
+            key_expr(t, "w", 3).0,
+            "sqlx_broker_keys AS w".to_owned(),
+        )
+    };
     format!(
         "WITH RECURSIVE sqlx_broker_keys AS (\
          (SELECT {n_cols} FROM {tbl} AS n WHERE TRUE{not_null}{unf_n}{start} ORDER BY {n_cols} LIMIT 1) \
          UNION ALL SELECT {x_cols} FROM sqlx_broker_keys AS p, LATERAL (SELECT {n_cols} FROM {tbl} AS n \
          WHERE {n_tuple} > {p_tuple}{unf_n} ORDER BY {n_cols} LIMIT 1) AS x) \
-         SELECT {read}, (SELECT q.{id}::int8 FROM {tbl} AS q WHERE {same_key} AND {claimable} ORDER BY q.{id} LIMIT 1), \
-         {key}, {held} FROM sqlx_broker_keys AS w LIMIT $2::int8",
+         SELECT {read}, {candidate}, {key}, {held} FROM {from} LIMIT $2::int8",
         n_cols = listed("n"),
         x_cols = listed("x"),
         n_tuple = tuple("n"),
         p_tuple = tuple("p"),
         read = read.join(", "),
-        same_key = same_key.join(" AND "),
-        claimable = s.claimable,
         held = held(&key),
     )
 }

@@ -120,9 +120,9 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
 }
 
 /// The key index of an advisory table with a key walk: the key template's columns, the id,
-/// over unfinished rows ([`TableDescription::key_walk_columns`]).
+/// over unfinished rows ([`TableDescription::key_index_columns`]).
 fn key_index(t: &TableDescription) -> Option<String> {
-    let cols: Vec<String> = t.key_walk_columns()?.into_iter().map(ident).collect();
+    let cols: Vec<String> = t.key_index_columns()?.into_iter().map(ident).collect();
     Some(format!(
         "CREATE INDEX IF NOT EXISTS {} ON {} ({}, {}){}",
         ident(&index_name(t.name(), "key")),
@@ -261,7 +261,7 @@ pub(crate) async fn index_advice(
             sql,
         ));
     }
-    if let (Some(cols), Some(sql)) = (t.key_walk_columns(), key_index(t)) {
+    if let (Some(cols), Some(sql)) = (t.key_index_columns(), key_index(t)) {
         let mut keys: Vec<String> = cols.into_iter().map(plain).collect();
         keys.push(plain(t.id()));
         wanted.push((

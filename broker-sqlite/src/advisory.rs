@@ -40,11 +40,18 @@ impl SqliteAdvisory {
         // `+?2`, `+?3`: bound, a whole LIMIT or OFFSET would prepare the statement again on
         // every read (see the lease claim in `crate::lease`).
         let candidates = format!(
-            "SELECT {id}, {keys} FROM {t} WHERE {claimable} ORDER BY {order} LIMIT +?2 OFFSET +?3",
+            "SELECT {id}, {keys} FROM {t} WHERE {claimable}{ungrouped} ORDER BY {order} LIMIT +?2 OFFSET +?3",
             id = s.id,
             keys = key_columns.join(", "),
             t = s.table,
             claimable = s.claimable,
+            // On a FIFO table only rows without a group (the claim index holds only those;
+            // grouped rows come through the walk of the groups).
+            ungrouped = table
+                .group()
+                .filter(|_| table.fifo())
+                .map(|g| format!(" AND {} IS NULL", ident(g)))
+                .unwrap_or_default(),
             order = s.order,
         );
         let take = format!(
@@ -92,11 +99,12 @@ impl SqliteAdvisory {
 }
 
 /// The key walk of an advisory table (see [`AdvisoryStrategy::walk_keys`]): a recursive
-/// statement whose every step probes the key index (the key columns, id; over unfinished rows)
-/// for the first row of the next key, at most once per key column, from the first key or (`after`) from
-/// just after the key bound from `?3` on, up to `?2` keys; for each, its key columns as text
-/// and its first claimable row by id (NULL when it has none). Keys with a NULL column are not
-/// visited. A step names the row it stopped on by id, because a SQLite scalar subquery yields
+/// statement whose every step probes the key index (the key columns, id; over unfinished rows;
+/// on a FIFO table the group index) for the first row of the next key or group, at most once
+/// per column, from the first or (`after`) from just after the one bound from `?3` on, up to
+/// `?2`; for each, its columns as text, its candidate (the key's first claimable row by id, or
+/// the group's head when it is due and free; NULL for none) and the template columns of the
+/// row walked to. Keys with a NULL column are not visited. A step names the row it stopped on by id, because a SQLite scalar subquery yields
 /// one column; the bounded walk is then joined back to read the key.
 fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool) -> String {
     let (tbl, id) = (&s.table, &s.id);
@@ -143,11 +151,35 @@ fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool)
     } else {
         format!("COALESCE({})", seeks.join(", "))
     };
-    let same_key: Vec<String> = cols.iter().map(|c| format!("h.{c} = p.{c}")).collect();
-    let read: Vec<String> = cols
+    // A key's first claimable row; a group's head (the walk's row: the first unfinished one
+    // of the group in the group index) only when it is due and free.
+    let probe = if t.fifo() {
+        format!(
+            "(SELECT CASE WHEN {} THEN h.{id} END FROM {tbl} AS h WHERE h.{id} = p.{id})",
+            s.claimable_row
+        )
+    } else {
+        let same_key: Vec<String> = cols.iter().map(|c| format!("h.{c} = p.{c}")).collect();
+        format!(
+            "(SELECT h.{id} FROM {tbl} AS h WHERE {} AND {} ORDER BY h.{id} LIMIT 1)",
+            same_key.join(" AND "),
+            s.claimable
+        )
+    };
+    let mut read: Vec<String> = cols
         .iter()
         .map(|c| format!("CAST(p.{c} AS TEXT)"))
         .collect();
+    read.push(probe);
+    // The key is rendered from the row's own template columns.
+    if let Some(template) = t.advisory_lock() {
+        read.extend(
+            template
+                .columns()
+                .iter()
+                .map(|c| format!("CAST(p.{} AS TEXT)", ident(c))),
+        );
+    }
     // CROSS JOIN keeps the walk the outer loop: SQLite 3.51 otherwise scanned the whole key
     // index and looked each row up in the walk (7.8 ms against 0.7 ms).
     format!(
@@ -155,11 +187,8 @@ fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool)
          SELECT (SELECT n.{id} FROM {tbl} AS n WHERE 1 = 1{not_null}{unf_n}{start} ORDER BY {order_n} LIMIT 1), 1 \
          UNION ALL SELECT (SELECT {next} FROM {tbl} AS p WHERE p.{id} = w.id), w.n + 1 \
          FROM sqlx_broker_keys AS w WHERE w.id IS NOT NULL AND w.n < ?2) \
-         SELECT {read}, (SELECT h.{id} FROM {tbl} AS h WHERE {same_key} AND {claimable} ORDER BY h.{id} LIMIT 1) \
-         FROM sqlx_broker_keys AS w CROSS JOIN {tbl} AS p ON p.{id} = w.id ORDER BY w.n",
+         SELECT {read} FROM sqlx_broker_keys AS w CROSS JOIN {tbl} AS p ON p.{id} = w.id ORDER BY w.n",
         read = read.join(", "),
-        same_key = same_key.join(" AND "),
-        claimable = s.claimable,
     )
 }
 
@@ -223,10 +252,13 @@ impl AdvisoryStrategy for SqliteAdvisory {
                 .map_err(self.err("key walk"))?;
             let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
             if let Some(id) = id {
-                let cols: Vec<Option<String>> = values.iter().cloned().map(Some).collect();
+                let key = (n + 1..row.len())
+                    .map(|i| row.try_get::<Option<String>, _>(i))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(self.err("key walk"))?;
                 walk.candidates.push(Candidate {
                     id,
-                    key: self.template.render(&cols),
+                    key: self.template.render(&key),
                     held: false,
                 });
             }

@@ -122,7 +122,7 @@ pub(crate) fn claim_indexes(t: &TableDescription) -> Vec<String> {
             partial(t, false)
         ));
     }
-    if let Some(cols) = t.key_walk_columns() {
+    if let Some(cols) = t.key_index_columns() {
         let cols: Vec<String> = cols.iter().map(|c| ident(c)).collect();
         out.push(format!(
             "CREATE INDEX IF NOT EXISTS {} ON {table} ({}, {}){}",

@@ -173,6 +173,7 @@ macro_rules! conformance_suite {
     };
     (@only $db:ty; advisory) => {
         $crate::conformance_suite!(@each $db; advisory;
+            advisory_claims_past_heads_in_work_take_only_heads,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );

@@ -307,12 +307,15 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
         now_ms: i64,
     ) -> impl Future<Output = Result<Vec<Candidate>>> + Send;
 
-    /// Advisory tables without FIFO groups: visits the keys (the tuples of the key template's
-    /// columns, none of them NULL) in the order of the key index, from just after the key whose
-    /// column values are `after` (`None`: from the first), at most `limit` keys, and returns
-    /// for each its first claimable row by id. One index probe per key visited, whatever the
-    /// number of rows under it: the claim walks when a window in claim order held only rows of
-    /// keys in work, so that rows of one busy key ahead cost each claim nothing.
+    /// Visits the tuples of [`TableDescription::key_walk_columns`](crate::TableDescription::key_walk_columns)
+    /// (none of them NULL) in the order of their index, from just after the tuple whose column
+    /// values are `after` (`None`: from the first), at most `limit` of them, and returns for
+    /// each a candidate: on a table without FIFO groups the key's first claimable row by id; on
+    /// a FIFO table the group's head (its first unfinished row) when it is due and free. A
+    /// candidate's key is rendered from its own row. One index probe per tuple visited,
+    /// whatever the number of rows under it: the claim walks when a window in claim order held
+    /// only rows of keys in work, so that rows of one busy key or group ahead cost each claim
+    /// nothing.
     fn walk_keys(
         &self,
         after: Option<&[String]>,

@@ -88,10 +88,10 @@ const WALK_KEYS: usize = 32;
 /// Candidates come in claim order first. When a full window of them held only rows whose keys
 /// are in work (one busy key ahead of the rest), the claim visits the keys instead, one index
 /// probe per key from just after the key the last walk stopped at ([`AdvisoryStrategy::walk_keys`]),
-/// so the busy key's backlog costs nothing however long it is. Tables without a key walk
-/// ([`TableDescription::key_walk_columns`](crate::TableDescription::key_walk_columns): FIFO
-/// tables, whose candidates are group heads, and keys read from the id alone) read on in claim
-/// order, in growing windows.
+/// so the busy key's backlog costs nothing however long it is. On a FIFO table the walk visits
+/// the groups and takes their heads. Tables without a walk
+/// ([`TableDescription::key_walk_columns`](crate::TableDescription::key_walk_columns): keys read
+/// from the id alone) read on in claim order, in growing windows.
 pub(crate) async fn claim<B: Backend>(
     strategy: &Arc<B::Advisory>,
     shared: &Arc<Shared<B>>,
@@ -101,6 +101,9 @@ pub(crate) async fn claim<B: Backend>(
     let s = &**strategy;
     let broker = &shared.broker;
     let walks = shared.table.key_walk_columns().is_some();
+    // A FIFO table's candidates in claim order are only its rows without a group (the claim
+    // index holds no others); its grouped rows come through the walk of the groups, always.
+    let fifo_walk = walks && shared.table.fifo();
     let mut out = Vec::new();
     // Ask for more candidates than slots: some keys will be held elsewhere, and the rest serve
     // the next claims.
@@ -118,7 +121,11 @@ pub(crate) async fn claim<B: Backend>(
             // A read whose every row was passed over (its keys held) reads on: otherwise rows of
             // one held key filling the window would keep every other key's rows waiting until
             // they drained one by one.
-            None if reads > 0 && !(more && out.is_empty() && reads < CANDIDATE_READS) => break,
+            None if reads > 0
+                && !(more && (out.is_empty() || fifo_walk) && reads < CANDIDATE_READS) =>
+            {
+                break;
+            }
             None if reads > 0 && walks => {
                 reads += 1;
                 let after = shared
@@ -145,7 +152,7 @@ pub(crate) async fn claim<B: Backend>(
                 }
                 reads += 1;
                 let fresh = s.candidates(window, skip, now_ms).await?;
-                more = fresh.len() == window;
+                more = fifo_walk || fresh.len() == window;
                 skip = skip.saturating_add(fresh.len());
                 shared.candidates.refill(fresh);
                 continue;

@@ -316,3 +316,59 @@ pub async fn a_head_past_many_groups_without_one_is_claimed<D: TestDb>(mode: Cla
     nothing_claimable::<D>(&q, "every other head is scheduled an hour ahead").await;
     fx.cleanup().await;
 }
+
+/// Issue #13, advisory mode: when a whole window of candidates is group heads under a key in
+/// work (20 groups whose heads share one key), the claim goes on to the other groups (the walk
+/// of the groups) and takes the one free head, never a row behind a head; once the key is free
+/// again, the heads come one at a time and the rows behind them after.
+pub async fn advisory_claims_past_heads_in_work_take_only_heads<D: TestDb>(mode: ClaimMode) {
+    const HOT: usize = 20;
+    let fx = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await;
+    let q = fx.queue().await;
+    let group = |g: usize| format!("g{g:02}");
+    let mut jobs: Vec<_> = (0..HOT)
+        .map(|g| {
+            broker_core::NewJob::new(D::Text::from(format!("hot-{g}")))
+                .column("k", "hot".to_owned())
+                .group(group(g))
+        })
+        .collect();
+    jobs.push(fx.job(HOT).group(group(HOT)));
+    jobs.extend((0..HOT).map(|g| fx.job(HOT + 1 + g).group(group(g))));
+    let ids = q.publish_batch(&jobs).await.expect("publish");
+    let first = claim_one::<D>(&q).await;
+    assert_eq!(first.id(), ids[0], "the first head");
+    let free = claim_one::<D>(&q).await;
+    assert_eq!(
+        free.id(),
+        ids[HOT],
+        "the only head whose key is free, past {HOT} heads under the held key"
+    );
+    nothing_claimable::<D>(&q, "every other head is under the held key").await;
+    free.ack().await.unwrap();
+    first.ack().await.unwrap();
+    // Each head of key "hot" runs alone; the row behind it comes once it is acked.
+    let mut done = vec![ids[0], ids[HOT]];
+    for _ in 0..(2 * HOT - 1) {
+        let d = claim_one::<D>(&q).await;
+        let at = ids
+            .iter()
+            .position(|&i| i == d.id())
+            .expect("a published row");
+        if at > HOT {
+            let head = ids[at - HOT - 1];
+            assert!(
+                done.contains(&head),
+                "row {} came before its group's head",
+                d.id()
+            );
+        }
+        done.push(d.id());
+        d.ack().await.unwrap();
+    }
+    done.sort_unstable();
+    let mut all = ids.clone();
+    all.sort_unstable();
+    assert_eq!(done, all, "every row once");
+    fx.cleanup().await;
+}
