@@ -241,30 +241,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
             .await
             .map_err(self.err("key walk"))?;
         let n = self.table.key_walk_columns().map_or(0, |c| c.len());
-        let mut walk = KeyWalk {
-            visited: rows.len(),
-            ..KeyWalk::default()
-        };
-        for row in &rows {
-            let values = (0..n)
-                .map(|i| row.try_get::<String, _>(i))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(self.err("key walk"))?;
-            let id: Option<i64> = row.try_get(n).map_err(self.err("key walk"))?;
-            if let Some(id) = id {
-                let key = (n + 1..row.len())
-                    .map(|i| row.try_get::<Option<String>, _>(i))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(self.err("key walk"))?;
-                walk.candidates.push(Candidate {
-                    id,
-                    key: self.template.render(&key),
-                    held: false,
-                });
-            }
-            walk.last = Some(values);
-        }
-        Ok(walk)
+        KeyWalk::read(&rows, n, &self.template).map_err(self.err("key walk"))
     }
 
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {

@@ -129,6 +129,45 @@ pub struct KeyWalk {
     pub visited: usize,
 }
 
+impl KeyWalk {
+    /// Reads the rows of a key walk statement laid out as: the `columns` walked as text, the
+    /// candidate's id (NULL when the key or group has none), then the `template`'s columns of
+    /// the candidate's row as text, from which its key is rendered. Candidates are not marked
+    /// held.
+    pub fn read<R: sqlx::Row>(
+        rows: &[R],
+        columns: usize,
+        template: &crate::KeyTemplate,
+    ) -> std::result::Result<Self, sqlx::Error>
+    where
+        usize: sqlx::ColumnIndex<R>,
+        String: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        let mut walk = KeyWalk {
+            visited: rows.len(),
+            ..KeyWalk::default()
+        };
+        for row in rows {
+            let values = (0..columns)
+                .map(|i| row.try_get::<String, _>(i))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            if let Some(id) = row.try_get::<Option<i64>, _>(columns)? {
+                let key = (columns + 1..row.len())
+                    .map(|i| row.try_get::<Option<String>, _>(i))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                walk.candidates.push(Candidate {
+                    id,
+                    key: template.render(&key),
+                    held: false,
+                });
+            }
+            walk.last = Some(values);
+        }
+        Ok(walk)
+    }
+}
+
 /// What a settlement does to the row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {

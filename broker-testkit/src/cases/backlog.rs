@@ -55,7 +55,25 @@ pub async fn claim_indexes_follow_the_claim_order<D: TestDb>() {
 /// prepares and claims, and the doctor names the index with the statements that replace it; run
 /// as given, they satisfy the doctor.
 pub async fn an_outdated_claim_index_is_named_with_the_statements_that_replace_it<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    index_advice_round_trip::<D>(
+        ClaimMode::Lease,
+        D::outdated_claim_index,
+        |fix| fix.contains("DROP INDEX") && fix.contains("due_at"),
+        "the fix replaces the index with one that leads with the due time",
+    )
+    .await;
+}
+
+/// The doctor passes a table as the DDL helper made it; after `spoil` (statements on the
+/// table's name) it warns on its indexes with a fix that `fix_ok` accepts; the queue still
+/// prepares and claims a due row; and the fix, run as given, makes the doctor pass again.
+async fn index_advice_round_trip<D: TestDb>(
+    mode: ClaimMode,
+    spoil: fn(&str) -> Vec<String>,
+    fix_ok: fn(&str) -> bool,
+    what_fix: &str,
+) {
+    let fx = Fixture::<D>::new(mode, |b| b).await;
     let options = DoctorOptions::new();
     let indexes = |report: &broker_core::DoctorReport| {
         report
@@ -65,16 +83,13 @@ pub async fn an_outdated_claim_index_is_named_with_the_statements_that_replace_i
     };
     let report = fx.broker.doctor(&fx.table, &options).await;
     assert_eq!(indexes(&report).status, Status::Pass, "{report}");
-    for sql in D::outdated_claim_index(fx.table.name()) {
+    for sql in spoil(fx.table.name()) {
         D::execute(&fx.broker, &sql).await;
     }
     let report = fx.broker.doctor(&fx.table, &options).await;
     let check = indexes(&report);
     assert_eq!(check.status, Status::Warn, "{report}");
-    assert!(
-        check.fix.contains("DROP INDEX") && check.fix.contains("due_at"),
-        "the fix replaces the index with one that leads with the due time: {report}"
-    );
+    assert!(fix_ok(&check.fix), "{what_fix}: {report}");
     // Only slow: the queue still prepares, and claims what is due.
     let q = fx.queue().await;
     let ids = fx.publish(&q, 2).await;
@@ -194,40 +209,11 @@ pub async fn the_key_walk_passes_a_held_key_of_any_length<D: TestDb>() {
 /// prepares and claims, and the doctor names the index with the statement that makes it; run as
 /// given, it satisfies the doctor.
 pub async fn a_missing_key_index_is_named_with_the_statement_that_makes_it<D: TestDb>() {
-    let fx = Fixture::<D>::new(ClaimMode::Advisory, |b| b).await;
-    let options = DoctorOptions::new();
-    let indexes = |report: &broker_core::DoctorReport| {
-        report
-            .check("indexes")
-            .cloned()
-            .unwrap_or_else(|| panic!("the doctor checks indexes:\n{report}"))
-    };
-    let report = fx.broker.doctor(&fx.table, &options).await;
-    assert_eq!(indexes(&report).status, Status::Pass, "{report}");
-    for sql in D::drop_key_index(fx.table.name()) {
-        D::execute(&fx.broker, &sql).await;
-    }
-    let report = fx.broker.doctor(&fx.table, &options).await;
-    let check = indexes(&report);
-    assert_eq!(check.status, Status::Warn, "{report}");
-    assert!(
-        check.fix.contains("_key") && check.fix.contains('k'),
-        "the fix makes the key index: {report}"
-    );
-    let q = fx.queue().await;
-    let ids = fx.publish(&q, 2).await;
-    let d = q.claim(1).await.unwrap().pop().expect("a due row");
-    assert!(ids.contains(&d.id()));
-    d.ack().await.unwrap();
-    for sql in check
-        .fix
-        .split(';')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-    {
-        D::execute(&fx.broker, sql).await;
-    }
-    let report = fx.broker.doctor(&fx.table, &options).await;
-    assert_eq!(indexes(&report).status, Status::Pass, "{report}");
-    fx.cleanup().await;
+    index_advice_round_trip::<D>(
+        ClaimMode::Advisory,
+        D::drop_key_index,
+        |fix| fix.contains("_key") && fix.contains('k'),
+        "the fix makes the key index",
+    )
+    .await;
 }
