@@ -157,6 +157,10 @@ pub struct RunResult {
     pub mean_in_work: Option<f64>,
     /// Strategy calls made while the clock ran, when the backend is [`Timed`](crate::Timed).
     pub stats: Option<StatsSnapshot>,
+    /// CPU time the whole bench process used while the clock ran (user and system; on Linux,
+    /// else `None`). Only one side runs at a time, so it is that side's client work, plus
+    /// SQLite's own where the database runs in the process.
+    pub cpu: Option<Duration>,
 }
 
 impl RunResult {
@@ -168,6 +172,29 @@ impl RunResult {
         }
         count_f64(self.timed_rows) / secs
     }
+
+    /// The process's CPU time per acked row while the clock ran, in microseconds.
+    pub fn cpu_us_per_row(&self) -> Option<f64> {
+        let cpu = self.cpu?;
+        (self.timed_rows > 0).then(|| cpu.as_secs_f64() * 1e6 / count_f64(self.timed_rows))
+    }
+}
+
+/// CPU time this process has used so far (user and system, every thread, those ended too),
+/// from `/proc/self/stat`: `None` where that is not there. Linux counts it in ticks of 1/100 s
+/// (`USER_HZ`), fine enough against timed stretches of a second or more.
+fn process_cpu() -> Option<Duration> {
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count from after it.
+    // Field 3 is the state; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis(
+        (utime + stime) * 1000 / TICKS_PER_SECOND,
+    ))
 }
 
 /// What the watcher reads.
@@ -188,6 +215,7 @@ async fn watch(
     let deadline = begin + limits.cap;
     let begin_stats = stats.map(Stats::snapshot);
     let mut start: Option<(Instant, u64, Option<StatsSnapshot>)> = None;
+    let mut cpu0 = process_cpu();
     let mut last_acked = 0;
     let mut last_change = begin;
     // The longest gap between acks while the clock ran, and since the beginning (reported for
@@ -207,6 +235,7 @@ async fn watch(
         }
         if start.is_none() && p.acked >= limits.warmup {
             start = Some((now, p.acked, stats.map(Stats::snapshot)));
+            cpu0 = process_cpu();
         }
         if start.is_some() {
             in_work_sum += p.in_work;
@@ -227,6 +256,9 @@ async fn watch(
         max_stall = max_stall_all;
     }
     let (t0, acked0, stats0) = start.unwrap_or((begin, 0, begin_stats));
+    let cpu = process_cpu()
+        .zip(cpu0)
+        .map(|(end, begin)| end.saturating_sub(begin));
     RunResult {
         timed_rows: acked_end.saturating_sub(acked0),
         elapsed: end - t0,
@@ -237,6 +269,7 @@ async fn watch(
             (Some(s), Some(s0)) => Some(s.snapshot().since(&s0)),
             _ => None,
         },
+        cpu,
     }
 }
 

@@ -199,8 +199,8 @@ pub fn throughput_table(scenarios: &[ScenarioReport]) -> String {
 /// The diagnostics table: for each side, the strategy calls of its timed stretch.
 pub fn diagnostics_table(scenarios: &[ScenarioReport]) -> String {
     let mut out = String::from(
-        "| scenario | side | msg/s | claims | rows/claim | claim ms | settle ms | try_lock/take/unlock ms | statement ms/row | statements in flight | in work | max stall ms |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| scenario | side | msg/s | client CPU µs/row | claims | rows/claim | claim ms | settle ms | try_lock/take/unlock ms | statement ms/row | statements in flight | in work | max stall ms |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in scenarios {
         for (side, run) in [
@@ -209,9 +209,11 @@ pub fn diagnostics_table(scenarios: &[ScenarioReport]) -> String {
         ] {
             let _ = writeln!(
                 out,
-                "| {} | {side} | {} |{}",
+                "| {} | {side} | {} | {} |{}",
                 r.scenario.id(),
                 fmt_rate(run.rate()),
+                run.cpu_us_per_row()
+                    .map_or("-".into(), |c| format!("{c:.0}")),
                 diag_cells(run)
             );
         }
@@ -309,7 +311,9 @@ pub fn markdown(report: &Report) -> String {
         );
         out.push_str(
             "## Where the time goes\n\n\
-             Strategy calls made during each side's timed stretch. *claims*: claim statements \
+             Strategy calls made during each side's timed stretch. *client CPU*: CPU time of \
+             the bench process per acked row while the side's clock ran (user and system, \
+             every thread; on SQLite it includes the database's own work). *claims*: claim statements \
              (advisory: candidate reads; rows/claim is then rows taken per read). *statement \
              ms/row*: time in all statements per acked row. *statements in flight*: time in \
              statements over wall time. Only the engine and the strategy loop run through the timed \
