@@ -46,7 +46,7 @@ pub struct MySqlLease {
     /// `UPDATE .. RETURNING` on MariaDB for tables that keep acked rows).
     ack_many: Option<AckMany>,
     /// Connections kept from one claim or ack to the next.
-    warm: WarmConnections<MySql>,
+    warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
 }
 
 /// The ack of many rows on MariaDB: `{head}{ids}) AND ({fences}) ORDER BY id LIMIT n{tail}`.

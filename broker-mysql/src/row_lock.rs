@@ -39,7 +39,7 @@ pub struct MySqlRowLock {
     guard: Option<Stmt>,
     settle: SettleStatements,
     /// Connections of committed deliveries, kept for the next claim.
-    warm: WarmConnections<MySql>,
+    warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
 }
 
 impl MySqlRowLock {

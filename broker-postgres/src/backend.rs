@@ -288,13 +288,15 @@ impl Backend for PgBackend {
         .await
         .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
-        version::check(&num, &text)?;
+        let version = version::check(&num, &text)?;
         let columns = schema::table_columns(&mut conn, table, prepared).await?;
         let strategy = match table.mode() {
             ClaimMode::RowLock => {
                 let mut s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
                 if pooled {
                     s = s.unprepared();
+                } else if version >= version::CHAIN {
+                    s = s.chained();
                 }
                 schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 Prepared::RowLock(s)

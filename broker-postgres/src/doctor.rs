@@ -79,7 +79,7 @@ async fn server_version(conn: &mut PgConnection) -> Check {
         }
     };
     match version::check(&num, &text) {
-        Ok(()) => Check::pass(name, format!("PostgreSQL {text} (11 or newer needed)")),
+        Ok(_) => Check::pass(name, format!("PostgreSQL {text} (11 or newer needed)")),
         Err(e) => Check::fail(name, e.to_string(), "upgrade to PostgreSQL 11 or newer"),
     }
 }

@@ -36,7 +36,7 @@ pub struct PgLease {
     /// The ack of many rows (see `Statements::lease_ack_many`).
     ack_many: Arc<str>,
     /// Connections kept from one claim or ack to the next.
-    warm: WarmConnections<Postgres>,
+    warm: WarmConnections<sqlx::pool::PoolConnection<Postgres>>,
 }
 
 impl PgLease {

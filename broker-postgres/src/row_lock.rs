@@ -14,7 +14,8 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, GroupCursor, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+    Action, GroupCursor, KeptForClaim, RowLockClaim, RowLockStrategy, RowTransaction, Settle,
+    WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
@@ -40,9 +41,17 @@ pub struct PgRowLock {
     /// FIFO tables: where the next claim starts its visit of the groups.
     cursor: GroupCursor,
     settle: SettleStatements,
-    /// Connections of committed deliveries, kept for the next claim.
-    warm: WarmConnections<Postgres>,
+    /// Connections of committed deliveries, kept for the next claim: with `chain`, each with
+    /// the next transaction already begun.
+    warm: WarmConnections<KeptForClaim<Postgres>>,
+    /// Settlements that keep their connection commit with `COMMIT AND CHAIN` (PostgreSQL 12+,
+    /// not behind a transaction-mode pooler, where an open transaction would pin a server
+    /// connection while it waits).
+    chain: bool,
 }
+
+/// Commits and begins the next transaction, with the same isolation level, in one statement.
+const COMMIT_AND_CHAIN: &str = "COMMIT AND CHAIN";
 
 impl PgRowLock {
     pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
@@ -90,7 +99,14 @@ impl PgRowLock {
             cursor: GroupCursor::default(),
             settle,
             warm: WarmConnections::default(),
+            chain: false,
         }
+    }
+
+    /// Commits kept connections' transactions with `COMMIT AND CHAIN` (see `chain`).
+    pub(crate) fn chained(mut self) -> Self {
+        self.chain = true;
+        self
     }
 
     /// Sends every statement unnamed, for a transaction-mode pooler.
@@ -117,12 +133,16 @@ impl PgRowLock {
     }
 
     async fn claim_on_warm(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
-        let conn = self
-            .warm
-            .acquire(&self.pool)
-            .await
-            .map_err(Failed::new("claim acquire"))?;
-        let mut tx = RowTransaction::begin(conn, self.begin.map(SqlStr::from_static))
+        let kept = match self.warm.take() {
+            Some(kept) => kept,
+            None => KeptForClaim::Idle(
+                self.pool
+                    .acquire()
+                    .await
+                    .map_err(Failed::new("claim acquire"))?,
+            ),
+        };
+        let mut tx = RowTransaction::resume(kept, self.begin.map(SqlStr::from_static))
             .await
             .map_err(Failed::new("claim begin"))?;
         let mut q = query(&self.claim, self.prepared).bind(now_ms);
@@ -212,12 +232,22 @@ impl RowLockStrategy for PgRowLock {
             .run(&mut tx, settle, Fence::None)
             .await
             .map_err(|e| e.on(name))?;
+        if keep_connection && self.chain && self.warm.would_keep() {
+            // The next claim's transaction begins here: it holds nothing until that claim's
+            // select, and rolls back on its way to the pool if no claim takes it.
+            (*tx)
+                .execute(COMMIT_AND_CHAIN)
+                .await
+                .map_err(|e| Failed::new("commit")(e).on(name))?;
+            self.warm.keep(KeptForClaim::Begun(tx));
+            return Ok(());
+        }
         let conn = tx
             .commit()
             .await
             .map_err(|e| Failed::new("commit")(e).on(name))?;
         if keep_connection {
-            self.warm.keep(conn);
+            self.warm.keep(KeptForClaim::Idle(conn));
         }
         Ok(())
     }

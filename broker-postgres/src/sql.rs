@@ -151,7 +151,7 @@ pub(crate) async fn on_pool<T>(
 /// when `f` succeeds, and every kept one goes back to the pool when it fails (the server may
 /// have dropped them all).
 pub(crate) async fn on_warm<T>(
-    warm: &broker_core::driver::WarmConnections<sqlx::Postgres>,
+    warm: &broker_core::driver::WarmConnections<sqlx::pool::PoolConnection<sqlx::Postgres>>,
     pool: &sqlx::PgPool,
     prepared: bool,
     f: impl for<'c> FnOnce(&'c mut PgConnection) -> ConnFuture<'c, T>,

@@ -6,6 +6,10 @@ use broker_core::SqlxBrokerError;
 /// The first PostgreSQL with `hashtextextended`, as `server_version_num` spells it.
 pub(crate) const FLOOR: u32 = 110_000;
 
+/// The first PostgreSQL with `COMMIT AND CHAIN`: from it, a row lock settlement that keeps its
+/// connection begins the next claim's transaction in its commit.
+pub(crate) const CHAIN: u32 = 120_000;
+
 /// Parses `server_version_num` ("150018", "90624").
 pub(crate) fn parse_num(num: &str) -> Option<u32> {
     num.trim().parse().ok().filter(|n| *n >= 10_000)
@@ -37,11 +41,11 @@ pub(crate) fn parse(text: &str) -> Option<u32> {
     Some(major * 10_000 + minor.min(99) * 100 + patch.min(99))
 }
 
-/// Refuses a server below the floor. `num` is `server_version_num`, `text` is `server_version`;
-/// the number wins where it parses.
-pub(crate) fn check(num: &str, text: &str) -> Result<(), SqlxBrokerError> {
+/// Refuses a server below the floor, or returns its version in the `server_version_num` form.
+/// `num` is `server_version_num`, `text` is `server_version`; the number wins where it parses.
+pub(crate) fn check(num: &str, text: &str) -> Result<u32, SqlxBrokerError> {
     match parse_num(num).or_else(|| parse(text)) {
-        Some(v) if v >= FLOOR => Ok(()),
+        Some(v) if v >= FLOOR => Ok(v),
         _ => Err(SqlxBrokerError::ServerTooOld {
             server: format!("PostgreSQL {}", text.trim()),
             required: "PostgreSQL 11".into(),
@@ -71,6 +75,13 @@ mod tests {
         assert_eq!(parse_num(" 110000\n"), Some(110_000));
         assert_eq!(parse_num(""), None);
         assert_eq!(parse_num("15"), None);
+    }
+
+    #[test]
+    fn chained_commits_start_at_postgresql_12() {
+        assert_eq!(check("120000", "12.0").unwrap(), CHAIN);
+        assert!(check("110022", "11.22").unwrap() < CHAIN);
+        assert!(check("150018", "15.18").unwrap() >= CHAIN);
     }
 
     #[test]

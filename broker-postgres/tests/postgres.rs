@@ -8,7 +8,8 @@ mod common;
 use std::time::Duration;
 
 use broker_core::{
-    ClaimMode, ColumnType, Outcome, SqlxBrokerError, SubscribeOptions, TableDescription,
+    ClaimMode, ColumnType, IsolationLevel, Outcome, SqlxBrokerError, SubscribeOptions,
+    TableDescription,
 };
 use broker_postgres::{ErrorClass, classify};
 use broker_testkit::{Fixture, Job, JobText, claim_one, wait_until};
@@ -43,6 +44,7 @@ bounded!(
     a_column_added_by_a_migration_does_not_stop_claims,
     a_batch_larger_than_one_statement_lands_whole_and_in_order,
     a_claim_reads_no_row_scheduled_ahead_of_the_due_ones,
+    a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level,
 );
 
 mod case {
@@ -488,6 +490,80 @@ mod case {
             "the claim read {fetched} rows through indexes and {scanned} in sequential scans, with {AHEAD} scheduled rows ahead"
         );
         d.ack().await.unwrap();
+        fx.cleanup().await;
+    }
+
+    /// A row lock settlement that keeps its connection commits with `COMMIT AND CHAIN`, so the
+    /// next claim runs in a transaction begun by that commit. That transaction must be what a
+    /// claim's own `BEGIN` would open: at the table's isolation level, a new transaction per
+    /// delivery, on the kept session; and one left when the table drains rolls back on its way
+    /// to the pool (no session stays idle in a transaction).
+    pub(super) async fn a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level() {
+        let fx = Fixture::<Pg>::new(ClaimMode::RowLock, |b| {
+            b.isolation(IsolationLevel::Serializable)
+        })
+        .await;
+        let q = fx.queue().await;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i32, i64)>::new()));
+        let sub = {
+            let seen = seen.clone();
+            q.subscribe_with_transaction(
+                SubscribeOptions::new()
+                    .concurrency(1)
+                    .poll_interval(Duration::from_secs(60)),
+                move |_job, tx| {
+                    let seen = seen.clone();
+                    async move {
+                        let mut tx = tx.get().await?;
+                        let row: (String, i32, i64) = sqlx::query_as(
+                            "SELECT current_setting('transaction_isolation'), pg_backend_pid(), \
+                             txid_current()",
+                        )
+                        .fetch_one(&mut **tx)
+                        .await?;
+                        seen.lock().unwrap().push(row);
+                        Ok::<_, broker_core::BoxError>(Outcome::Ack)
+                    }
+                },
+            )
+            .expect("subscribe")
+        };
+        let ids = fx.publish(&q, 20).await;
+        broker_testkit::wait_until_rows_gone::<Pg>(&q, &ids, Duration::from_secs(30)).await;
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), ids.len(), "one run per row: {seen:?}");
+        for (level, _, _) in &seen {
+            assert_eq!(
+                level, "serializable",
+                "every delivery at the table's level: {seen:?}"
+            );
+        }
+        let mut sessions: Vec<i32> = seen.iter().map(|s| s.1).collect();
+        sessions.dedup();
+        assert_eq!(sessions.len(), 1, "every row on the kept session: {seen:?}");
+        let mut txids: Vec<i64> = seen.iter().map(|s| s.2).collect();
+        txids.sort_unstable();
+        txids.dedup();
+        assert_eq!(
+            txids.len(),
+            ids.len(),
+            "a transaction of its own per delivery: {seen:?}"
+        );
+        // Drained, the subscription still running: the transaction the last settlement began
+        // ended with the claim that found nothing, and no other kept one stays open.
+        let app = app_name(&fx.broker);
+        wait_until(
+            "no session idle in a transaction once the table drained",
+            Duration::from_secs(3),
+            || {
+                let app = app.clone();
+                async move { common::open_transactions_of(&app).await == 0 }
+            },
+        )
+        .await;
+        sub.shutdown().await;
+        let leaks = common::leaks(&fx.broker).await;
+        assert!(leaks.is_empty(), "after shutdown: {leaks:?}");
         fx.cleanup().await;
     }
 }

@@ -14,7 +14,7 @@ pub mod retry;
 mod row_tx;
 
 pub use group_cursor::GroupCursor;
-pub use row_tx::{RowTransaction, WarmConnections};
+pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
 
 use std::future::Future;
 use std::sync::Arc;
