@@ -3,7 +3,11 @@
 //! commits.
 //!
 //! The hot path is the claim window's read (outside the transaction, see [`crate::window`]),
-//! begin, the take, the settlement's statement and commit. Only when
+//! begin, the take, the settlement's statement and commit. On a table without FIFO groups, a
+//! settlement that keeps its connection for the next claim sends its commit, the next claim's
+//! window read and that claim's begin as one multi-statement, so the next claim starts at its
+//! take: three round trips per row (take, settlement, commit with read and begin) where the
+//! hand-written loop sends four. Only when
 //! the handler first asks for the delivery's transaction does it set a savepoint: a retry or dead
 //! letter rolls back to it — undoing what the handler wrote, while InnoDB keeps the claimed row
 //! locked — then counts the attempt and commits. Every settlement releases the savepoint before
@@ -25,7 +29,7 @@ use crate::sql::{
     RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
     begin_sql, execute_plain, retrying,
 };
-use crate::window::{PAGES, Window};
+use crate::window::{Candidates, PAGES, Window};
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -39,7 +43,21 @@ pub struct MySqlRowLock {
     guard: Option<Stmt>,
     settle: SettleStatements,
     /// Connections of committed deliveries, kept for the next claim.
-    warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
+    warm: WarmConnections<Kept>,
+    /// Settlements that keep their connection read the next window and begin (tables without
+    /// FIFO groups).
+    chain: bool,
+}
+
+/// What a settlement keeps for the next claim.
+#[derive(Debug)]
+enum Kept {
+    /// A connection whose transaction committed.
+    Idle(sqlx::pool::PoolConnection<MySql>),
+    /// The next claim's transaction, begun by the settlement's commit statement, and the window
+    /// that statement read just before it. It holds no row yet; dropped, it rolls back as its
+    /// connection goes back to the pool.
+    Begun(RowTransaction<MySql>, Candidates),
 }
 
 impl MySqlRowLock {
@@ -56,6 +74,7 @@ impl MySqlRowLock {
             window: Window::new(&table, &s),
             guard: fifo::guard(&table, group_index),
             settle,
+            chain: !table.fifo(),
             table,
             warm: WarmConnections::default(),
         }
@@ -79,34 +98,41 @@ impl MySqlRowLock {
     /// [`crate::window`]), so a window that gave nothing ends its transaction before the next.
     async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
         let mut page = self.window.first_page();
+        let mut kept = self.warm.take();
         for _ in 0..PAGES {
-            let conn = self
-                .warm
-                .acquire(&self.pool)
-                .await
-                .map_err(self.err("acquire"))?;
-            let mut conn = Conn::guard(conn);
-            // An error leaves `conn` armed, so it is closed (see `Window::read`).
-            let window = self
-                .window
-                .read(&mut conn, self.table.name(), now_ms, &page)
-                .await?;
-            if window.is_empty() {
-                conn.finish();
-                self.window.claimed(&window, []);
-                if window.more() {
-                    // FIFO: the groups walked had no claimable head; walk on.
-                    page = window.next_page(&page);
-                    continue;
+            let (mut tx, window) = match kept.take() {
+                // The last settlement read this window and began the transaction.
+                Some(Kept::Begun(tx, window)) => (tx, window),
+                idle => {
+                    let conn = match idle {
+                        Some(Kept::Idle(conn)) => conn,
+                        _ => self.pool.acquire().await.map_err(self.err("acquire"))?,
+                    };
+                    let mut conn = Conn::guard(conn);
+                    // An error leaves `conn` armed, so it is closed (see `Window::read`).
+                    let window = self
+                        .window
+                        .read(&mut conn, self.table.name(), now_ms, &page)
+                        .await?;
+                    if window.is_empty() {
+                        conn.finish();
+                        self.window.claimed(&window, []);
+                        if window.more() {
+                            // FIFO: the groups walked had no claimable head; walk on.
+                            page = window.next_page(&page);
+                            continue;
+                        }
+                        return Ok(None);
+                    }
+                    let tx = RowTransaction::begin(
+                        conn.into_inner(),
+                        Some(sqlx::AssertSqlSafe(self.begin.clone()).into_sql_str()),
+                    )
+                    .await
+                    .map_err(self.err("begin"))?;
+                    (tx, window)
                 }
-                return Ok(None);
-            }
-            let mut tx = RowTransaction::begin(
-                conn.into_inner(),
-                Some(sqlx::AssertSqlSafe(self.begin.clone()).into_sql_str()),
-            )
-            .await
-            .map_err(self.err("begin"))?;
+            };
             let taken = self
                 .window
                 .take(window.run(), 1, now_ms)
@@ -126,6 +152,32 @@ impl MySqlRowLock {
             }
         }
         Ok(None)
+    }
+
+    /// Commits a settled delivery's transaction and, in the same round trip, reads the next
+    /// claim's window and begins its transaction (see [`Window::commit_and_read`]), keeping
+    /// both for that claim. A window that found nothing ends the new transaction at once.
+    async fn commit_and_read(&self, mut tx: RowTransaction<MySql>) -> Result<()> {
+        let name = self.table.name();
+        let read = self
+            .window
+            .commit_and_read(&mut tx, broker_core::driver::clock::now_ms(), &self.begin)
+            .await
+            .map_err(self.err("commit"))?;
+        match read {
+            Ok(window) if !window.is_empty() => self.warm.keep(Kept::Begun(tx, window)),
+            Ok(_) => {
+                if let Ok(conn) = tx.rollback().await {
+                    self.warm.keep(Kept::Idle(conn));
+                }
+            }
+            Err(e) => {
+                // The settlement committed; only the next claim's read failed.
+                tracing::debug!(table = name, error = %e, "the window read after a commit failed; closing its connection");
+                tx.close_on_drop();
+            }
+        }
+        Ok(())
     }
 
     /// Checks a locked row's group (FIFO) and hands the delivery out.
@@ -187,9 +239,12 @@ impl RowLockStrategy for MySqlRowLock {
             execute_plain(&mut tx, name, "release savepoint", RELEASE_WRITES).await?;
         }
         self.settle.run(&mut tx, name, settle, None, true).await?;
+        if keep_connection && self.chain && self.warm.would_keep() {
+            return self.commit_and_read(tx).await;
+        }
         let conn = tx.commit().await.map_err(self.err("commit"))?;
         if keep_connection {
-            self.warm.keep(conn);
+            self.warm.keep(Kept::Idle(conn));
         }
         Ok(())
     }

@@ -208,6 +208,54 @@ impl Window {
         });
     }
 
+    /// Commits the transaction open on `conn`, reads the first window of the next claim (as
+    /// [`read`](Self::read) does, at READ UNCOMMITTED in a statement of its own) and begins
+    /// that claim's transaction with `begin`, in one round trip. Tables without FIFO groups
+    /// only (a walk's cursor moves with each claim).
+    ///
+    /// `Err`: the commit failed, and nothing after it ran. `Ok(Err)`: the commit landed and a
+    /// later statement failed; the connection must not go back to the pool (the READ
+    /// UNCOMMITTED setting may still be pending on it, and no transaction may be open).
+    pub(crate) async fn commit_and_read(
+        &self,
+        conn: &mut MySqlConnection,
+        now_ms: i64,
+        begin: &str,
+    ) -> Result<Result<Candidates, sqlx::Error>, sqlx::Error> {
+        use futures_util::TryStreamExt;
+        debug_assert!(self.cursor.is_none(), "FIFO windows walk with a cursor");
+        let args = Args {
+            now_ms,
+            ..Args::default()
+        };
+        let sql = format!("COMMIT; {DIRTY}{}; {begin}", self.read.inline(&args));
+        let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(conn);
+        // The first result is the commit's.
+        match results.try_next().await? {
+            Some(sqlx::Either::Left(_)) => {}
+            _ => return Err(sqlx::Error::Protocol("no result for COMMIT".into())),
+        }
+        let mut ids = Vec::new();
+        loop {
+            match results.try_next().await {
+                Ok(Some(sqlx::Either::Right(row))) => match row.try_get::<i64, _>(0) {
+                    Ok(id) => ids.push(id),
+                    Err(e) => return Ok(Err(e)),
+                },
+                Ok(Some(sqlx::Either::Left(_))) => {}
+                Ok(None) => break,
+                Err(e) => return Ok(Err(e)),
+            }
+        }
+        let run = rising_run(&ids);
+        Ok(Ok(Candidates {
+            ids,
+            run,
+            walked: Vec::new(),
+            full: false,
+        }))
+    }
+
     /// Reads the window of `table`, outside any transaction. On an error the caller must not
     /// give the connection back to the pool (leave its [`Conn`](crate::backend::Conn) armed):
     /// the READ UNCOMMITTED setting may still be pending on it.

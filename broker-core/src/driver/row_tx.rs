@@ -102,6 +102,13 @@ impl<DB: Database> RowTransaction<DB> {
             .expect("an open transaction has its connection"))
     }
 
+    /// Closes the connection when this drops, instead of giving it back to the pool: a
+    /// statement failed and may have left session state behind that the pool must not hand on.
+    /// For backends.
+    pub fn close_on_drop(&mut self) {
+        self.conn_mut().close_on_drop();
+    }
+
     fn conn_mut(&mut self) -> &mut PoolConnection<DB> {
         self.conn
             .as_mut()
