@@ -16,7 +16,8 @@
 //! the engine runs (the baseline of FIFO tables, which have no hand-written loop). Per mode:
 //! - row lock: `claim(now)` → `settle(tx, ..)` with the attempt as read;
 //! - lease: `claim(batch, now, expiry)` → `settle(token, ..)` per row, attempt + 1;
-//! - advisory: `candidates(max(4 × batch, 16))`, then per candidate until `batch` rows are done:
+//! - advisory: `candidates(max(4 × batch, 16))` (or, when every candidate's key is held, as on
+//!   FIFO tables, `walk_keys` from the first key), then per candidate until `batch` rows are done:
 //!   `try_lock` → `take` → `settle` → `unlock` (one key held at a time per task), with an
 //!   in-process set of keys in work so a task does not spend a statement on a key another task
 //!   holds (the engine keeps the same set).
@@ -575,9 +576,15 @@ async fn raw_advisory<S: AdvisoryStrategy>(
 where
     Row: for<'r> FromRow<'r, <S::Db as Database>::Row>,
 {
-    let candidates = s
+    let mut candidates = s
         .candidates(batch.saturating_mul(4).max(16), 0, clock::now_ms())
         .await?;
+    // As the engine does when the claim order offers nothing free (and always on FIFO tables,
+    // whose claim order holds only rows without a group): walk the keys or groups, here from
+    // the first each time.
+    if candidates.iter().all(|c| c.held) {
+        candidates = s.walk_keys(None, 32, clock::now_ms()).await?.candidates;
+    }
     let mut done = 0;
     for c in candidates {
         if done >= batch || shared.finished() {
