@@ -437,6 +437,17 @@ impl MySqlAdvisory {
 /// column are not visited. "After" is written out column by column (`c1 > ? OR (c1 = ? AND c2 >
 /// ?)`), which both servers read as ranges of the index. There are no partial indexes here, so
 /// a table that keeps its acked rows (`processed_at`) passes keys whose rows are all finished.
+/// The key template's columns of `t`, each read as text from the table (or alias) `from`, in
+/// template order: what the core renders the key from.
+fn template_as_text(t: &TableDescription, from: &str) -> Vec<String> {
+    t.advisory_lock()
+        .map(|k| k.columns())
+        .unwrap_or_default()
+        .iter()
+        .map(|c| format!("CAST({from}.{} AS CHAR)", ident(c)))
+        .collect()
+}
+
 fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool) -> Stmt {
     let cols: Vec<String> = columns.iter().map(|c| ident(c)).collect();
     let fifo = t.fifo();
@@ -498,13 +509,7 @@ fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool)
         .map(|c| format!("CAST(w.{c} AS CHAR)"))
         .collect();
     // The key is rendered from the template columns of the row the candidate is in.
-    let template: Vec<String> = t
-        .advisory_lock()
-        .map(|k| k.columns())
-        .unwrap_or_default()
-        .iter()
-        .map(|c| format!("CAST({}.{} AS CHAR)", s.table, ident(c)))
-        .collect();
+    let template = template_as_text(t, &s.table);
     if fifo {
         // The head is the candidate when it is due and free.
         return Sql::new(format!("SELECT {}, CASE WHEN ", read.join(", ")))
@@ -527,13 +532,7 @@ fn key_walk(s: &Statements, t: &TableDescription, columns: &[&str], after: bool)
         .iter()
         .map(|c| format!("{}.{c} = w.{c}", s.table))
         .collect();
-    let first_row: Vec<String> = t
-        .advisory_lock()
-        .map(|k| k.columns())
-        .unwrap_or_default()
-        .iter()
-        .map(|c| format!("CAST(w.{} AS CHAR)", ident(c)))
-        .collect();
+    let first_row = template_as_text(t, "w");
     Sql::new(format!(
         "SELECT {}, (SELECT CAST({} AS SIGNED) FROM {} WHERE {} AND ",
         read.join(", "),
