@@ -112,6 +112,7 @@ macro_rules! conformance_suite {
                 a_fifo_group_moves_on_past_processed_and_dead_rows,
                 a_fifo_row_inserted_by_plain_sql_waits_for_its_head,
                 a_fifo_group_that_empties_and_fills_again_keeps_its_order,
+                a_walk_that_starts_after_the_last_group_goes_on_from_the_first,
                 higher_priority_runs_first,
                 shutdown_leaves_no_row_claimed_and_no_key_held,
                 shutdown_deadline_drops_handlers_and_releases_rows,

@@ -293,6 +293,32 @@ pub async fn fifo_groups_take_turns<D: TestDb>(mode: ClaimMode) {
     fx.cleanup().await;
 }
 
+/// A claim whose walk of the groups starts after the last group goes on from the first: with
+/// the last claim in group `gb` (the last group) and only `ga`'s head claimable, one claim
+/// takes it. A walk that stopped at the last group came back empty here, and a subscription
+/// then slept until its poll with the head claimable.
+pub async fn a_walk_that_starts_after_the_last_group_goes_on_from_the_first<D: TestDb>(
+    mode: ClaimMode,
+) {
+    let (fx, q, ids) = fifo_rows::<D>(mode, |b| b, &["ga", "ga", "gb"]).await;
+    for expected in [ids[0], ids[2]] {
+        let d = claim_one::<D>(&q).await;
+        assert_eq!(d.id(), expected, "the groups take turns");
+        d.ack().await.unwrap();
+    }
+    let got: Vec<Delivery<D::B, D::Job>> = q.claim(4).await.expect("claim");
+    let taken: Vec<i64> = got.iter().map(Delivery::id).collect();
+    assert_eq!(
+        taken,
+        vec![ids[1]],
+        "the claim after one in the last group takes the first group's head"
+    );
+    for d in got {
+        d.ack().await.unwrap();
+    }
+    fx.cleanup().await;
+}
+
 /// Issue #13: a claim reaches a claimable head however many groups before it have none (here
 /// 69 groups whose only row is scheduled an hour ahead, more than one claim window of groups on
 /// MySQL and MariaDB), and takes nothing else.
