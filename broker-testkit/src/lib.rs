@@ -106,6 +106,7 @@ macro_rules! conformance_suite {
                 exhausted_rows_get_the_dead_letter_mark,
                 two_subscriptions_never_hold_one_row,
                 fifo_groups_run_in_order_one_at_a_time,
+                a_wake_up_during_a_claim_in_flight_is_not_lost,
                 fifo_groups_run_side_by_side,
                 a_fifo_retry_keeps_its_group_waiting,
                 a_fifo_delayed_retry_blocks_later_rows_of_its_group,

@@ -151,6 +151,37 @@ pub async fn rows_with_one_key_never_overlap_while_other_keys_run<D: TestDb>() {
     fx.cleanup().await;
 }
 
+/// No wake-up is lost to a claim already in flight. On a one-group FIFO table with four
+/// workers, each settlement frees the next head while the other claim slots' claims run; one
+/// that started before the wake-up may come back empty, and must not put the subscription to
+/// sleep until the poll (an hour here), or the drain stops short.
+pub async fn a_wake_up_during_a_claim_in_flight_is_not_lost<D: TestDb>(mode: ClaimMode) {
+    const ROWS: usize = 1500;
+    let fx = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await;
+    let q = fx.queue().await;
+    let jobs: Vec<_> = (0..ROWS).map(|i| fx.job(i).group("one")).collect();
+    q.publish_batch(&jobs).await.expect("publish");
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(4)
+                .poll_interval(Duration::from_secs(3600)),
+            |_job| async { Outcome::Ack },
+        )
+        .expect("subscribe");
+    wait_until(
+        "every row of the one group acked with no poll to fall back on",
+        Duration::from_secs(90),
+        || {
+            let acked = q.metrics().acked;
+            async move { acked >= ROWS as u64 }
+        },
+    )
+    .await;
+    sub.shutdown().await;
+    fx.cleanup().await;
+}
+
 /// A FIFO group is processed in id order, one row at a time, across two brokers; groups run
 /// side by side.
 pub async fn fifo_groups_run_in_order_one_at_a_time<D: TestDb>(mode: ClaimMode) {
