@@ -45,6 +45,7 @@ bounded!(
     a_batch_larger_than_one_statement_lands_whole_and_in_order,
     a_claim_reads_no_row_scheduled_ahead_of_the_due_ones,
     a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level,
+    claims_in_flight_stay_within_max_claims_in_flight,
 );
 
 mod case {
@@ -564,6 +565,69 @@ mod case {
         sub.shutdown().await;
         let leaks = common::leaks(&fx.broker).await;
         assert!(leaks.is_empty(), "after shutdown: {leaks:?}");
+        fx.cleanup().await;
+    }
+
+    /// `max_claims_in_flight` bounds the claim statements running at once. A trigger makes
+    /// every lease claim sleep 0.1 s in the server (it fires only where a row's lease is set
+    /// from none, so acks are not slowed), and the probe counts the subscription's sessions in
+    /// that sleep: eight workers claiming one row at a time would run up to half the pool's
+    /// claims side by side; asked for two, never more than two may be seen, and two must be seen (else the
+    /// probe proves nothing).
+    pub(super) async fn claims_in_flight_stay_within_max_claims_in_flight() {
+        const ROWS: usize = 120;
+        let fx = fixture(ClaimMode::Lease).await;
+        let q = fx.queue().await;
+        let table = format!("\"{}\"", fx.table.name());
+        let lease = fx
+            .table
+            .locked_until()
+            .expect("a lease table has its column");
+        let mut conn = sqlx::PgConnection::connect(&fx.url).await.expect("connect");
+        conn.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE FUNCTION slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF OLD.\"{lease}\" IS NULL AND NEW.\"{lease}\" IS NOT NULL THEN \
+             PERFORM pg_sleep(0.1); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_claim BEFORE UPDATE ON {table} FOR EACH ROW \
+             EXECUTE FUNCTION slow_claim()"
+        )))
+        .await
+        .expect("the trigger");
+        let ids = fx.publish(&q, ROWS).await;
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new()
+                    .concurrency(8)
+                    .batch_size(1)
+                    .max_claims_in_flight(2)
+                    .poll_interval(Duration::from_millis(50)),
+                |_job| async { Outcome::Ack },
+            )
+            .expect("subscribe");
+        let app = app_name(&fx.broker);
+        let mut peak = 0i64;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while q.metrics().acked < ROWS as u64 && tokio::time::Instant::now() < deadline {
+            let sleeping: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = $1 AND wait_event = 'PgSleep'",
+            )
+            .bind(&app)
+            .fetch_one(&mut conn)
+            .await
+            .expect("probe pg_stat_activity");
+            peak = peak.max(sleeping);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        broker_testkit::wait_until_rows_gone::<Pg>(&q, &ids, Duration::from_secs(30)).await;
+        sub.shutdown().await;
+        assert_eq!(
+            peak, 2,
+            "claim statements running at once with max_claims_in_flight(2) and 8 workers"
+        );
+        let leaks = common::leaks(&fx.broker).await;
+        assert!(leaks.is_empty(), "after shutdown: {leaks:?}");
+        let _ = conn.close().await;
         fx.cleanup().await;
     }
 }
