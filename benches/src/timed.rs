@@ -368,6 +368,10 @@ impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {
         self.stats.record(Op::Unlock, t, 1);
         r
     }
+
+    fn release_kept(&self) {
+        self.inner.release_kept();
+    }
 }
 
 impl<B: Backend> Backend for Timed<B> {

@@ -16,14 +16,16 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
+use broker_core::driver::{
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle, WarmConnections,
+};
 use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    ErrorClass, Failed, Fence, SettleStatements, Statements, classify, ident, query,
+    ErrorClass, Failed, Fence, SettleStatements, Statements, classify, ident, on_warm, query,
     settle_retries, with_retries,
 };
 
@@ -106,6 +108,10 @@ pub struct PgAdvisory {
     /// FIFO tables: the guard prefix the take binds.
     guard: Option<String>,
     settle: SettleStatements,
+    /// Connections whose key was unlocked (or whose try-lock found the key held), kept for the
+    /// next candidate read or try-lock: a pool acquire tests the connection with a round trip
+    /// of its own, one more per row than a hand-written loop that keeps its connection.
+    warm: WarmConnections<PoolConnection<Postgres>>,
 }
 
 const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtextextended($1::text, 0))";
@@ -185,6 +191,7 @@ impl PgAdvisory {
             take: take.into(),
             guard,
             settle,
+            warm: WarmConnections::default(),
         }
     }
 
@@ -326,13 +333,17 @@ impl AdvisoryStrategy for PgAdvisory {
             for literal in &self.literals {
                 q = q.bind(literal.clone());
             }
-            q.bind(i64::try_from(skip).unwrap_or(i64::MAX))
-                .fetch_all(&self.pool)
+            let q = q.bind(i64::try_from(skip).unwrap_or(i64::MAX));
+            on_warm(&self.warm, &self.pool, true, |c| Box::pin(q.fetch_all(c)))
                 .await
                 .map_err(Failed::new("candidates"))
         })
         .await
         .map_err(|e| e.on(self.table.name()))?;
+        if skip == 0 {
+            // Nothing due: kept connections go back to the pool until a read finds rows.
+            self.warm.claimed(!rows.is_empty());
+        }
         rows.iter()
             .map(|row| {
                 Ok(Candidate {
@@ -364,7 +375,7 @@ impl AdvisoryStrategy for PgAdvisory {
             for v in after.unwrap_or_default() {
                 q = q.bind(v.clone());
             }
-            q.fetch_all(&self.pool)
+            on_warm(&self.warm, &self.pool, true, |c| Box::pin(q.fetch_all(c)))
                 .await
                 .map_err(Failed::new("key walk"))
         })
@@ -393,19 +404,33 @@ impl AdvisoryStrategy for PgAdvisory {
         Ok(walk)
     }
 
-    /// Tries the key's lock on a pool connection of its own; the connection goes back to the
-    /// pool at once when another session holds the key.
+    /// Tries the key's lock on a connection of its own (a kept one, else one from the pool);
+    /// the connection is kept for the next try at once when another session holds the key.
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {
-        let mut conn = self.pool.acquire().await.map_err(self.err("acquire"))?;
-        let locked: bool = sqlx::query_scalar(TRY_LOCK)
+        let mut conn = self
+            .warm
+            .acquire(&self.pool)
+            .await
+            .map_err(self.err("acquire"))?;
+        let locked = sqlx::query_scalar::<_, bool>(TRY_LOCK)
             .bind(key)
             .fetch_one(&mut *conn)
-            .await
-            .map_err(self.err("try lock"))?;
-        Ok(locked.then(|| KeyLock {
-            conn: Some(conn),
-            key: key.to_owned(),
-        }))
+            .await;
+        match locked {
+            Ok(true) => Ok(Some(KeyLock {
+                conn: Some(conn),
+                key: key.to_owned(),
+            })),
+            Ok(false) => {
+                self.warm.keep(conn);
+                Ok(None)
+            }
+            Err(e) => {
+                // The server may have dropped every kept connection.
+                self.warm.release();
+                Err(self.err("try lock")(e))
+            }
+        }
     }
 
     /// Takes the row on the lock's connection: counts the attempt and reads the row, only while
@@ -494,8 +519,8 @@ impl AdvisoryStrategy for PgAdvisory {
         }
     }
 
-    /// Unlocks and returns the connection to the pool; when the unlock fails, the connection is
-    /// closed instead, which frees the key as well.
+    /// Unlocks and keeps the connection for the next try-lock (see `warm`); when the unlock
+    /// fails, the connection is closed instead, which frees the key as well.
     async fn unlock(&self, mut lock: KeyLock) -> Result<()> {
         let Some(mut conn) = lock.conn.take() else {
             return Ok(());
@@ -505,7 +530,10 @@ impl AdvisoryStrategy for PgAdvisory {
             .fetch_one(&mut *conn)
             .await;
         match unlocked {
-            Ok(true) => Ok(()),
+            Ok(true) => {
+                self.warm.keep(conn);
+                Ok(())
+            }
             Ok(false) => {
                 // The session did not hold the key (it cannot happen while the connection is the
                 // lock's own); close it rather than return a session in an unknown state.

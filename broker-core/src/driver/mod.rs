@@ -383,6 +383,10 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
 
     /// Frees the key.
     fn unlock(&self, lock: Self::KeyLock) -> impl Future<Output = Result<()>> + Send;
+
+    /// Gives back to the pool every connection kept for the next try-lock (see
+    /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
+    fn release_kept(&self) {}
 }
 
 /// The strategy type of a mode a backend does not offer: it has no values, so no code path can

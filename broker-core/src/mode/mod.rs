@@ -84,7 +84,7 @@ impl<B: Backend> QueueInner<B> {
         match &self.mode {
             Mode::RowLock(s) => s.release_kept(),
             Mode::Lease(s) => s.release_kept(),
-            Mode::Advisory(_) => {}
+            Mode::Advisory(s) => crate::driver::AdvisoryStrategy::release_kept(&**s),
         }
     }
 }
