@@ -18,7 +18,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
+use broker_core::driver::{
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle, WarmConnections,
+};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
@@ -133,6 +135,10 @@ pub struct MySqlAdvisory {
     probe: Arc<str>,
     take: Take,
     settle: SettleStatements,
+    /// Connections whose key was released (or whose `GET_LOCK` found the key held), kept for
+    /// the next candidate read or `GET_LOCK`: a pool acquire tests the connection with a round
+    /// trip of its own, one more per row than a hand-written loop that keeps its connection.
+    warm: WarmConnections<PoolConnection<MySql>>,
 }
 
 impl MySqlAdvisory {
@@ -233,6 +239,27 @@ impl MySqlAdvisory {
             probe,
             take,
             settle,
+            warm: WarmConnections::default(),
+        }
+    }
+
+    /// A kept connection (see `warm`), else one from the pool.
+    async fn conn(&self) -> Result<Conn> {
+        match self.warm.take() {
+            Some(conn) => Ok(Conn::guard(conn)),
+            None => Conn::acquire(&self.pool, self.table.name()).await,
+        }
+    }
+
+    /// Keeps `conn` for the next statement when `out` went well; otherwise gives it back to the
+    /// pool with every kept one (the server may have dropped them all).
+    fn done<T>(&self, conn: Conn, out: &Result<T>) {
+        match out {
+            Ok(_) => self.warm.keep(conn.into_inner()),
+            Err(_) => {
+                conn.finish();
+                self.warm.release();
+            }
         }
     }
 
@@ -556,9 +583,13 @@ impl AdvisoryStrategy for MySqlAdvisory {
     type KeyLock = KeyLock;
 
     async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let mut conn = self.conn().await?;
         let out = self.candidates_on(&mut conn, limit, skip, now_ms).await;
-        conn.finish();
+        self.done(conn, &out);
+        if let (Ok(rows), 0) = (&out, skip) {
+            // Nothing due: kept connections go back to the pool until a read finds rows.
+            self.warm.claimed(!rows.is_empty());
+        }
         out
     }
 
@@ -568,15 +599,15 @@ impl AdvisoryStrategy for MySqlAdvisory {
         limit: usize,
         now_ms: i64,
     ) -> Result<KeyWalk> {
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let mut conn = self.conn().await?;
         let out = self.walk_keys_on(&mut conn, after, limit, now_ms).await;
-        conn.finish();
+        self.done(conn, &out);
         out
     }
 
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {
         let name = lock_name(&self.database, key);
-        let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
+        let mut conn = self.conn().await?;
         let got: Result<Option<i64>, _> =
             sqlx::query_scalar("SELECT CAST(GET_LOCK(?, 0) AS SIGNED)")
                 .bind(&name)
@@ -590,12 +621,13 @@ impl AdvisoryStrategy for MySqlAdvisory {
                 in_flight: false,
             })),
             Ok(Some(_)) => {
-                conn.finish();
+                self.warm.keep(conn.into_inner());
                 Ok(None)
             }
             Ok(None) => {
                 // NULL: an error inside GET_LOCK; the session may hold nothing useful.
                 drop(conn);
+                self.warm.release();
                 Err(SqlxBrokerError::Invariant {
                     table: self.table.name().to_owned(),
                     statement: "lock",
@@ -605,6 +637,7 @@ impl AdvisoryStrategy for MySqlAdvisory {
             Err(e) => {
                 // Whatever the statement did, closing the connection frees any lock it took.
                 drop(conn);
+                self.warm.release();
                 Err(self.err("lock")(e))
             }
         }
@@ -676,7 +709,7 @@ impl AdvisoryStrategy for MySqlAdvisory {
                 .fetch_one(&mut *conn)
                 .await;
         match released {
-            Ok(Some(1)) => conn.finish(),
+            Ok(Some(1)) => self.warm.keep(conn.into_inner()),
             other => {
                 // Not released as expected: close the connection so the session cannot keep
                 // the key, and report it without failing the settlement that came before.
@@ -689,6 +722,10 @@ impl AdvisoryStrategy for MySqlAdvisory {
             }
         }
         Ok(())
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }
 

@@ -551,4 +551,8 @@ impl AdvisoryStrategy for PgAdvisory {
             }
         }
     }
+
+    fn release_kept(&self) {
+        self.warm.release();
+    }
 }
