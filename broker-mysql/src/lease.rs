@@ -2,7 +2,10 @@
 //! locking read (`FOR UPDATE SKIP LOCKED`) of due rows, then one `UPDATE .. WHERE id IN (..)`
 //! that writes the expiry and counts the attempt, in one READ COMMITTED transaction committed at
 //! once. The locking read takes its rows among the ids of a window read just before, without
-//! locks, outside the transaction (see [`crate::window`]). The rows come back as the locking
+//! locks, outside the transaction (see [`crate::window`]); on tables without FIFO groups the
+//! transaction's begin goes in the window read's round trip (so a claim costs the loop's round
+//! trips: begin and read, take, update, commit), and the claim runs its transaction with plain
+//! `COMMIT`/`ROLLBACK` statements, closing its connection on an error. The rows come back as the locking
 //! read saw them, so their attempt is the one before the claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
 //!
@@ -15,7 +18,7 @@ use std::sync::Arc;
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle, WarmConnections};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
-use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
+use sqlx::{MySql, MySqlConnection, MySqlPool, Row};
 
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
@@ -209,13 +212,24 @@ impl MySqlLease {
     ) -> Result<Vec<ClaimedRow<MySql>>> {
         let mut conn = self.conn().await?;
         let mut page = self.window.first_page();
+        // Tables without FIFO groups begin the claim's transaction in the window read's round
+        // trip: one round trip fewer per claim where the window has rows, one more (the
+        // rollback) where it has none. A FIFO walk reads on past empty windows, so it begins
+        // only once it has candidates.
+        let begin = (!self.window.walks()).then_some(&*self.begin);
         for _ in 0..PAGES {
-            // An error leaves `conn` armed, so it is closed (see `Window::read`).
+            // An error leaves `conn` armed, so it is closed (see `Window::read_then`).
             let window = self
                 .window
-                .read(&mut conn, self.table.name(), now_ms, &page)
+                .read_then(&mut conn, self.table.name(), now_ms, &page, begin)
                 .await?;
             if window.is_empty() {
+                if begin.is_some() {
+                    sqlx::raw_sql("ROLLBACK")
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(self.err("rollback"))?;
+                }
                 self.window.claimed(&window, []);
                 if window.more() {
                     // FIFO: the groups walked had no claimable head; walk on.
@@ -225,8 +239,22 @@ impl MySqlLease {
                 break;
             }
             let out = self
-                .claim_on(&mut conn, &window, limit, now_ms, expires_ms)
+                .claim_on(
+                    &mut conn,
+                    &window,
+                    limit,
+                    now_ms,
+                    expires_ms,
+                    begin.is_some(),
+                )
                 .await;
+            if out.is_err() {
+                // The transaction may be open: dropping the armed guard closes the connection,
+                // which rolls it back.
+                drop(conn);
+                self.warm.release();
+                return out;
+            }
             if let Ok(rows) = &out {
                 self.window.claimed(&window, rows.iter().map(|r| &r.row));
             }
@@ -253,12 +281,18 @@ impl MySqlLease {
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        begun: bool,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
         let name = self.table.name();
-        let mut tx = conn
-            .begin_with(sqlx::AssertSqlSafe(self.begin.clone()))
-            .await
-            .map_err(self.err("begin"))?;
+        // The transaction runs outside sqlx's bookkeeping (the window read may have begun it):
+        // on an error the caller closes the connection, which rolls it back.
+        let tx = conn;
+        if !begun {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(self.begin.clone()))
+                .execute(&mut *tx)
+                .await
+                .map_err(self.err("begin"))?;
+        }
         let rows = self
             .window
             .take(window.run(), limit, now_ms)
@@ -269,7 +303,7 @@ impl MySqlLease {
         for row in rows {
             let row = claimed(&self.table, row, None)?;
             if let Some(guard) = &self.guard
-                && fifo::check(&mut tx, guard, name, &row.row, row.id).await? == Guard::Behind
+                && fifo::check(tx, guard, name, &row.row, row.id).await? == Guard::Behind
             {
                 // A NOWAIT that met a lock may have ended the transaction on MariaDB (with
                 // innodb_rollback_on_timeout); give the whole claim up rather than guess.
@@ -278,13 +312,13 @@ impl MySqlLease {
                     id = row.id,
                     "fifo guard: not the group's head now"
                 );
-                tx.rollback().await.map_err(self.err("rollback"))?;
+                rollback(tx).await.map_err(self.err("rollback"))?;
                 return Ok(Vec::new());
             }
             out.push(row);
         }
         if out.is_empty() {
-            tx.rollback().await.map_err(self.err("rollback"))?;
+            rollback(tx).await.map_err(self.err("rollback"))?;
             return Ok(out);
         }
         let sql = format!("{}{})", self.update_head, vec!["?"; out.len()].join(", "));
@@ -299,7 +333,7 @@ impl MySqlLease {
         if done.rows_affected() != out.len() as u64 {
             // The rows are locked by this transaction, so this cannot happen; if it does, claim
             // nothing rather than hand out a row without its lease.
-            tx.rollback().await.map_err(self.err("rollback"))?;
+            rollback(tx).await.map_err(self.err("rollback"))?;
             return Err(SqlxBrokerError::Invariant {
                 table: name.to_owned(),
                 statement: "claim update",
@@ -310,7 +344,10 @@ impl MySqlLease {
                 ),
             });
         }
-        tx.commit().await.map_err(self.err("commit"))?;
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut *tx)
+            .await
+            .map_err(self.err("commit"))?;
         Ok(out)
     }
 
@@ -406,4 +443,9 @@ impl LeaseStrategy for MySqlLease {
     fn release_kept(&self) {
         self.warm.release();
     }
+}
+
+/// Rolls back the claim's transaction (begun outside sqlx's bookkeeping, see `claim_on`).
+async fn rollback(conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql("ROLLBACK").execute(conn).await.map(drop)
 }

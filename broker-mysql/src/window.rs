@@ -266,9 +266,28 @@ impl Window {
         now_ms: i64,
         page: &Page,
     ) -> Result<Candidates> {
-        self.read_ids(conn, now_ms, page)
+        self.read_then(conn, table, now_ms, page, None).await
+    }
+
+    /// Reads the window as [`read`](Self::read) does, then runs `then` (a transaction's begin)
+    /// in the same round trip. On an error the caller must not give the connection back to the
+    /// pool: the READ UNCOMMITTED setting may still be pending on it, or a transaction open.
+    pub(crate) async fn read_then(
+        &self,
+        conn: &mut MySqlConnection,
+        table: &str,
+        now_ms: i64,
+        page: &Page,
+        then: Option<&str>,
+    ) -> Result<Candidates> {
+        self.read_ids(conn, now_ms, page, then)
             .await
             .map_err(|e| SqlxBrokerError::statement(table, self.read.name, e))
+    }
+
+    /// Whether the window walks FIFO groups (with a cursor that moves with each claim).
+    pub(crate) fn walks(&self) -> bool {
+        self.cursor.is_some()
     }
 
     async fn read_ids(
@@ -276,6 +295,7 @@ impl Window {
         conn: &mut MySqlConnection,
         now_ms: i64,
         page: &Page,
+        then: Option<&str>,
     ) -> Result<Candidates, sqlx::Error> {
         let args = Args {
             now_ms,
@@ -283,7 +303,11 @@ impl Window {
             group: page.after.as_deref(),
             ..Args::default()
         };
-        let sql = format!("{DIRTY}{}", self.read.inline(&args));
+        let sql = match then {
+            Some(then) => format!("{DIRTY}{}; {then}", self.read.inline(&args)),
+            None => format!("{DIRTY}{}", self.read.inline(&args)),
+        };
+        // The statements after the read return no rows.
         let rows: Vec<MySqlRow> = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .fetch_all(conn)
             .await?;
