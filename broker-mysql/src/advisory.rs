@@ -245,22 +245,12 @@ impl MySqlAdvisory {
 
     /// A kept connection (see `warm`), else one from the pool.
     async fn conn(&self) -> Result<Conn> {
-        match self.warm.take() {
-            Some(conn) => Ok(Conn::guard(conn)),
-            None => Conn::acquire(&self.pool, self.table.name()).await,
-        }
+        Conn::from_warm(&self.warm, &self.pool, self.table.name()).await
     }
 
-    /// Keeps `conn` for the next statement when `out` went well; otherwise gives it back to the
-    /// pool with every kept one (the server may have dropped them all).
+    /// Keeps `conn` for the next statement when `out` went well (see [`Conn::done_into`]).
     fn done<T>(&self, conn: Conn, out: &Result<T>) {
-        match out {
-            Ok(_) => self.warm.keep(conn.into_inner()),
-            Err(_) => {
-                conn.finish();
-                self.warm.release();
-            }
-        }
+        conn.done_into(&self.warm, out.is_ok());
     }
 
     /// Every statement the strategy runs, by name, so prepare can check each one against the

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, WarmConnections};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -168,6 +168,31 @@ impl Conn {
             .await
             .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))?;
         Ok(Self::guard(conn))
+    }
+
+    /// A connection `warm` kept from the last statement, else one from `pool`.
+    pub(crate) async fn from_warm(
+        warm: &WarmConnections<PoolConnection<MySql>>,
+        pool: &MySqlPool,
+        table: &str,
+    ) -> Result<Self> {
+        let conn = warm
+            .acquire(pool)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))?;
+        Ok(Self::guard(conn))
+    }
+
+    /// After statements that went well (`ok`), keeps the connection in `warm` for the next;
+    /// otherwise gives it and every kept one back to the pool (the server may have dropped
+    /// them all).
+    pub(crate) fn done_into(self, warm: &WarmConnections<PoolConnection<MySql>>, ok: bool) {
+        if ok {
+            warm.keep(self.into_inner());
+        } else {
+            self.finish();
+            warm.release();
+        }
     }
 
     /// Guards a connection taken elsewhere.

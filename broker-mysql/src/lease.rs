@@ -182,26 +182,14 @@ impl MySqlLease {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
 
-    /// A connection kept from the last statement, or one from the pool.
+    /// A kept connection (see `warm`), else one from the pool.
     async fn conn(&self) -> Result<Conn> {
-        let conn = self
-            .warm
-            .acquire(&self.pool)
-            .await
-            .map_err(self.err("acquire"))?;
-        Ok(Conn::guard(conn))
+        Conn::from_warm(&self.warm, &self.pool, self.table.name()).await
     }
 
-    /// Keeps `conn` for the next statement when `out` went well; otherwise gives it and every
-    /// kept one back to the pool (the server may have dropped them all).
+    /// Keeps `conn` for the next statement when `out` went well (see [`Conn::done_into`]).
     fn done<T>(&self, conn: Conn, out: &Result<T>) {
-        match out {
-            Ok(_) => self.warm.keep(conn.into_inner()),
-            Err(_) => {
-                conn.finish();
-                self.warm.release();
-            }
-        }
+        conn.done_into(&self.warm, out.is_ok());
     }
 
     async fn claim_once(
