@@ -44,15 +44,6 @@ const MAX_MS: i64 = 253_402_300_799_999;
 
 /// Unix milliseconds as the microseconds a statement adds to the epoch, clamped to DATETIME's
 /// range (a later time would overflow to NULL, which reads as "due now").
-/// A group as a string literal of the connection's character set. Hex, so that no character of
-/// the group (a quote, a backslash under any sql_mode) can end the literal.
-fn group_literal(g: &str) -> String {
-    format!(
-        "CONVERT(X'{}' USING utf8mb4)",
-        g.bytes().map(|b| format!("{b:02x}")).collect::<String>()
-    )
-}
-
 pub(crate) fn micros(ms: i64) -> i64 {
     ms.clamp(0, MAX_MS) * 1000
 }
@@ -96,11 +87,12 @@ pub(crate) enum P {
     HeldAttempt,
     /// The n-th id of a claim window's run (the last one again past its end).
     Candidate(usize),
-    /// Where a FIFO claim window's walk of the groups starts, written in (never bound): the
-    /// group the walk starts after, or NULL to start at the first group. The walk reads the
-    /// groups after it (`group > ?`), then from the first group up to it (`group <= ? OR ? IS
-    /// NULL`).
+    /// Where a FIFO claim window's walk of the groups starts, written in (never bound) for
+    /// `group > ? OR group >= ?`: the group the walk starts after (NULL to start at the first
+    /// group) ...
     After,
+    /// ... and the least group, `''`, when the walk starts at the first group (NULL otherwise).
+    First,
     /// The n-th key column of the key an advisory key walk starts after.
     KeyAfter(usize),
 }
@@ -240,8 +232,17 @@ impl Stmt {
                 P::Limit => a.limit.to_string(),
                 P::Skip => a.skip.to_string(),
                 P::After => match a.group {
-                    Some(g) => group_literal(g),
+                    // Hex, so that no character of the group (a quote, a backslash under any
+                    // sql_mode) can end the literal.
+                    Some(g) => format!(
+                        "CONVERT(X'{}' USING utf8mb4)",
+                        g.bytes().map(|b| format!("{b:02x}")).collect::<String>()
+                    ),
                     None => "NULL".to_owned(),
+                },
+                P::First => match a.group {
+                    Some(_) => "NULL".to_owned(),
+                    None => "''".to_owned(),
                 },
                 other => unreachable!("{other:?} is never written into a statement's text"),
             };
@@ -267,7 +268,7 @@ impl Stmt {
                 P::TokenAttempt => q.bind(a.token.map(|t| t.attempt)),
                 P::Group => q.bind(a.group),
                 P::HeldAttempt => q.bind(a.held_attempt),
-                P::After => unreachable!("the walk's start is only written in"),
+                P::After | P::First => unreachable!("the walk's start is only written in"),
                 P::KeyAfter(i) => q.bind(a.key_after.get(*i).map(String::as_str)),
                 P::Candidate(i) => q.bind(
                     a.candidates

@@ -90,6 +90,11 @@ pub(crate) struct Candidates {
     /// groups (or the rows without a group filled a window) rather than at the last group.
     walked: Vec<String>,
     full: bool,
+    /// FIFO: the walk started after a group and reached the last one without filling, so the
+    /// groups from the first up to its start are still unread: the next window reads them.
+    /// Without it a claim whose walk started at the last group came back empty with heads
+    /// claimable before it, and a subscription slept until its poll.
+    wrap: bool,
 }
 
 impl Candidates {
@@ -106,7 +111,7 @@ impl Candidates {
     /// Whether rows the take did not try may still be claimable: the run was cut short, or the
     /// window (FIFO: the walk) was full.
     pub(crate) fn more(&self) -> bool {
-        self.full || self.run < self.ids.len() || self.ids.len() >= WINDOW
+        self.full || self.wrap || self.run < self.ids.len() || self.ids.len() >= WINDOW
     }
 
     /// Where the next window starts, this one having started at `page`: after the run, or
@@ -253,6 +258,7 @@ impl Window {
             run,
             walked: Vec::new(),
             full: false,
+            wrap: false,
         }))
     }
 
@@ -322,50 +328,34 @@ impl Window {
                 run,
                 walked: Vec::new(),
                 full: false,
+                wrap: false,
             });
         }
-        // (id or NULL, group or NULL, part): rows without a group first, then one row per
-        // group walked, with its head's id where the head is claimable; part 1 for the groups
-        // the walk reached after it passed the last one.
-        let (mut ids, mut wrapped, mut walked, mut ungrouped) =
-            (Vec::new(), Vec::new(), Vec::new(), 0);
+        // (id or NULL, group or NULL): rows without a group first, then one row per group
+        // walked, with its head's id where the head is claimable.
+        let (mut ids, mut walked, mut ungrouped) = (Vec::new(), Vec::new(), 0);
         for r in &rows {
             let id: Option<i64> = r.try_get(0)?;
             let group: Option<String> = r.try_get(1)?;
-            let part: i64 = r.try_get(2)?;
             match group {
                 Some(g) => walked.push(g),
                 None => ungrouped += 1,
             }
-            if part == 0 {
-                ids.extend(id);
-            } else {
-                wrapped.extend(id);
-            }
+            ids.extend(id);
         }
         // The take binds at most WINDOW ids (rows without a group and heads may come to twice
-        // that): the lowest go now, the rest come again in a later window or claim. It locks
-        // in id order, so the heads of groups the walk reached after passing the last group
-        // are tried only when the groups from the start had none: a head before the cursor
-        // with a low id would otherwise come first again and again, and the groups would not
-        // take turns. The next window then starts at the first group.
+        // that): the lowest go now, the rest come again in a later window or claim.
         ids.sort_unstable();
-        wrapped.sort_unstable();
-        let run = if ids.is_empty() {
-            wrapped.len()
-        } else {
-            ids.len()
-        };
-        ids.append(&mut wrapped);
         let cut = ids.len() > WINDOW;
         ids.truncate(WINDOW);
-        let run = run.min(WINDOW);
+        let run = ids.len();
         let full = cut || walked.len() >= WINDOW || ungrouped >= WINDOW;
         Ok(Candidates {
             ids,
             run,
             walked,
             full,
+            wrap: page.after.is_some() && !full,
         })
     }
 
@@ -388,11 +378,8 @@ impl Window {
 
 /// The window read of a FIFO table (see the module docs): `(id, NULL)` for up to [`WINDOW`]
 /// claimable rows without a group in claim order, then `(head id or NULL, group)` for each of
-/// up to [`WINDOW`] groups from the page's start, in walking order: the groups after the
-/// start, then from the first group up to the start, so a walk that starts near the last group
-/// still reaches the first ones in the same read (one that did not left a claim empty with
-/// heads claimable, and the subscription asleep until the poll). Each part's groups and heads
-/// come from a `GROUP BY` with `MIN(id)` over the group index, which both servers read as a
+/// up to [`WINDOW`] groups from the page's start, in group order. The groups and their heads
+/// come from one `GROUP BY` with `MIN(id)` over the group index, which both servers read as a
 /// loose index scan (one probe per group); a recursive CTE stepping with a correlated
 /// `group > w.g` read the index from its start on every step on MariaDB 10.11 (30 ms for 32
 /// groups). `STRAIGHT_JOIN` reads the groups first, in their order, then each head by its key.
@@ -404,7 +391,7 @@ fn walk(t: &TableDescription, s: &Statements, group: &str) -> Stmt {
         .map(|c| format!(" AND n.{} IS NULL", ident(c)))
         .collect();
     Sql::new(format!(
-        "SELECT CAST(u.id AS SIGNED), CAST(NULL AS CHAR), 0 FROM (SELECT {id} AS id FROM {tbl} \
+        "SELECT CAST(u.id AS SIGNED), CAST(NULL AS CHAR) FROM (SELECT {id} AS id FROM {tbl} \
          WHERE {tbl}.{g} IS NULL AND "
     ))
     .append(&s.claimable)
@@ -414,22 +401,16 @@ fn walk(t: &TableDescription, s: &Statements, group: &str) -> Stmt {
     ))
     .append(&s.claimable_row)
     .push(&format!(
-        " THEN CAST({id} AS SIGNED) END, CAST(w.g AS CHAR), w.part FROM (SELECT p.g, p.head, p.part FROM (\
-         (SELECT n.{g} AS g, MIN(n.{idc}) AS head, 0 AS part FROM {tbl} AS n WHERE n.{g} > ",
+        " THEN CAST({id} AS SIGNED) END, CAST(w.g AS CHAR) FROM (SELECT n.{g} AS g, \
+         MIN(n.{idc}) AS head FROM {tbl} AS n WHERE (n.{g} > ",
         idc = ident(t.id()),
     ))
     .param(P::After)
+    .push(&format!(" OR n.{g} >= "))
+    .param(P::First)
     .push(&format!(
-        "{unfinished} GROUP BY n.{g} ORDER BY n.{g} LIMIT {WINDOW}) UNION ALL \
-         (SELECT n.{g}, MIN(n.{idc}), 1 FROM {tbl} AS n WHERE n.{g} >= '' AND (n.{g} <= ",
-        idc = ident(t.id()),
-    ))
-    .param(P::After)
-    .push(" OR ")
-    .param(P::After)
-    .push(&format!(
-        " IS NULL){unfinished} GROUP BY n.{g} ORDER BY n.{g} LIMIT {WINDOW})) AS p \
-         ORDER BY p.part, p.g LIMIT {WINDOW}) AS w STRAIGHT_JOIN {tbl} ON {id} = w.head"
+        "){unfinished} GROUP BY n.{g} ORDER BY n.{g} LIMIT {WINDOW}) AS w \
+         STRAIGHT_JOIN {tbl} ON {id} = w.head"
     ))
     .stmt("claim window")
 }
