@@ -7,6 +7,7 @@ use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Sett
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
+use crate::backend::{Warm, kept_after, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
 use crate::sql::{Fence, SettleStatements, Statements, ident};
 
@@ -23,6 +24,8 @@ pub struct SqliteAdvisory {
     walk: Option<[String; 2]>,
     take: String,
     settle: SettleStatements,
+    /// The connection of the last statement, kept for the next (see [`Warm`]).
+    warm: Warm,
 }
 
 impl SqliteAdvisory {
@@ -75,6 +78,7 @@ impl SqliteAdvisory {
             walk,
             take,
             settle,
+            warm: Warm::default(),
         }
     }
 
@@ -197,13 +201,18 @@ impl AdvisoryStrategy for SqliteAdvisory {
     type KeyLock = KeyLock;
 
     async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
+        let q = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
             .bind(now_ms)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(i64::try_from(skip).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("candidates"))?;
+            .bind(i64::try_from(skip).unwrap_or(i64::MAX));
+        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let rows = q.fetch_all(&mut *conn).await;
+        kept_after(&self.warm, conn, rows.is_ok());
+        let rows = rows.map_err(self.err("candidates"))?;
+        if skip == 0 {
+            // Nothing due: kept connections go back to the pool until a read finds rows.
+            self.warm.claimed(!rows.is_empty());
+        }
         rows.iter()
             .map(|row| {
                 let id: i64 = row.try_get(0).map_err(self.err("candidates"))?;
@@ -236,10 +245,10 @@ impl AdvisoryStrategy for SqliteAdvisory {
         for v in after.unwrap_or_default() {
             q = q.bind(v.as_str());
         }
-        let rows = q
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("key walk"))?;
+        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let rows = q.fetch_all(&mut *conn).await;
+        kept_after(&self.warm, conn, rows.is_ok());
+        let rows = rows.map_err(self.err("key walk"))?;
         let n = self.table.key_walk_columns().map_or(0, |c| c.len());
         KeyWalk::read(&rows, n, &self.template).map_err(self.err("key walk"))
     }
@@ -255,12 +264,13 @@ impl AdvisoryStrategy for SqliteAdvisory {
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<Sqlite>>> {
         let _turn = self.keys.write_turn().await;
-        let row = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
+        let q = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
             .bind(now_ms)
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(self.err("take"))?;
+            .bind(id);
+        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let row = q.fetch_optional(&mut *conn).await;
+        kept_after(&self.warm, conn, row.is_ok());
+        let row = row.map_err(self.err("take"))?;
         row.map(|row| crate::backend::claimed(&self.table, row, Some(lock.key().to_owned())))
             .transpose()
     }
@@ -269,6 +279,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
         let changed = self
             .settle
             .run(
+                &self.warm,
                 &self.pool,
                 &self.keys,
                 self.table.name(),
@@ -289,5 +300,9 @@ impl AdvisoryStrategy for SqliteAdvisory {
     async fn unlock(&self, lock: KeyLock) -> Result<()> {
         drop(lock);
         Ok(())
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }

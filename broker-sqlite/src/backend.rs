@@ -4,11 +4,12 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::driver::{ClaimedRow, NotOffered, Prepared};
+use broker_core::driver::{ClaimedRow, NotOffered, Prepared, WarmConnections};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
 use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
@@ -80,6 +81,35 @@ pub(crate) fn claimed(
     key: Option<String>,
 ) -> Result<ClaimedRow<Sqlite>> {
     ClaimedRow::read(row, key).map_err(|e| SqlxBrokerError::statement(table.name(), "claim", e))
+}
+
+/// Connections a strategy keeps from one statement to the next. On SQLite the pool's round trip
+/// is a hop to the connection's worker thread, and every connection keeps a page cache of its
+/// own that another connection's write makes it read again: a claim and an ack on two pooled
+/// connections read the file's pages again where a loop on one connection does not (five reads
+/// of the file per row in the lease bench at one worker, against none).
+pub(crate) type Warm = WarmConnections<PoolConnection<Sqlite>>;
+
+/// The connection kept last, or one from the pool.
+pub(crate) async fn warm_conn(
+    warm: &Warm,
+    pool: &SqlitePool,
+    table: &str,
+) -> Result<PoolConnection<Sqlite>> {
+    warm.acquire(pool)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
+}
+
+/// After a statement on `conn`: kept for the next one when it went well; when it failed, every
+/// kept connection goes back to the pool with it.
+pub(crate) fn kept_after(warm: &Warm, conn: PoolConnection<Sqlite>, ok: bool) {
+    if ok {
+        warm.keep(conn);
+    } else {
+        drop(conn);
+        warm.release();
+    }
 }
 
 async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {

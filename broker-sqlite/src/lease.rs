@@ -7,6 +7,7 @@ use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Se
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
+use crate::backend::{Warm, kept_after, warm_conn};
 use crate::keys::KeyTable;
 use crate::sql::{Fence, SettleStatements, Statements, ident};
 
@@ -28,6 +29,8 @@ pub struct SqliteLease {
     ack_many_row: (String, String),
     /// The ack of two rows, for prepare's check.
     ack_two: String,
+    /// The connection of the last claim or ack, kept for the next (see [`Warm`]).
+    warm: Warm,
 }
 
 impl SqliteLease {
@@ -92,6 +95,7 @@ impl SqliteLease {
             ack_many_head,
             ack_many_row,
             ack_two: String::new(),
+            warm: Warm::default(),
         };
         lease.ack_two = lease.ack_many_sql(2);
         lease
@@ -151,7 +155,13 @@ impl LeaseStrategy for SqliteLease {
         if let Some(from) = &from {
             q = q.bind(from.clone());
         }
-        let rows = q.fetch_all(&self.pool).await.map_err(self.err("claim"))?;
+        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let rows = q.fetch_all(&mut *conn).await;
+        kept_after(&self.warm, conn, rows.is_ok());
+        let rows = rows.map_err(self.err("claim"))?;
+        // Fewer rows than asked for: the table looks drained, and kept connections go back to
+        // the pool (so do those of acks until a claim fills again).
+        self.warm.claimed(rows.len() == limit);
         if let (Some(cursor), Some(from), Some(group)) = (&self.cursor, &from, self.table.group()) {
             let took = rows
                 .iter()
@@ -182,6 +192,7 @@ impl LeaseStrategy for SqliteLease {
         let changed = self
             .settle
             .run(
+                &self.warm,
                 &self.pool,
                 &self.file,
                 self.table.name(),
@@ -205,13 +216,17 @@ impl LeaseStrategy for SqliteLease {
             q = q.bind(*id).bind(token.expires_ms).bind(token.attempt);
         }
         let _turn = self.file.write_turn().await;
-        let rows = q
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("ack many"))?;
+        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let rows = q.fetch_all(&mut *conn).await;
+        kept_after(&self.warm, conn, rows.is_ok());
+        let rows = rows.map_err(self.err("ack many"))?;
         rows.iter()
             .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))
             .collect::<Result<Vec<i64>>>()
             .map(Some)
+    }
+
+    fn release_kept(&self) {
+        self.warm.release();
     }
 }

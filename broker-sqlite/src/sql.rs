@@ -14,8 +14,9 @@ pub(crate) enum Fence {
     Attempt(i64),
 }
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
-use sqlx::SqlitePool;
+use sqlx::{Connection, SqliteConnection, SqlitePool};
 
+use crate::backend::{Warm, kept_after, warm_conn};
 use crate::fifo;
 use crate::keys::KeyTable;
 
@@ -173,10 +174,12 @@ pub(crate) enum DeadStatements {
 }
 
 impl SettleStatements {
-    /// Runs a settlement; with a lease `fence` the statements must match its token. Returns the
-    /// rows changed (0: the fence no longer holds, and nothing changed).
+    /// Runs a settlement on a kept connection (see [`Warm`]); with a lease `fence` the
+    /// statements must match its token. Returns the rows changed (0: the fence no longer holds,
+    /// and nothing changed).
     pub(crate) async fn run(
         &self,
+        warm: &Warm,
         pool: &SqlitePool,
         file: &KeyTable,
         table: &str,
@@ -184,6 +187,19 @@ impl SettleStatements {
         fence: Fence,
     ) -> Result<u64> {
         let _turn = file.write_turn().await;
+        let mut conn = warm_conn(warm, pool, table).await?;
+        let done = self.run_on(&mut conn, table, settle, fence).await;
+        kept_after(warm, conn, done.is_ok());
+        done
+    }
+
+    async fn run_on(
+        &self,
+        conn: &mut SqliteConnection,
+        table: &str,
+        settle: Settle,
+        fence: Fence,
+    ) -> Result<u64> {
         let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
         // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
         let bind = |sql: &str, value: Option<i64>| {
@@ -197,22 +213,22 @@ impl SettleStatements {
         };
         let done = match settle.action {
             Action::Ack => bind(&self.ack, Some(settle.now_ms))
-                .execute(pool)
+                .execute(&mut *conn)
                 .await
                 .map_err(err("ack"))?,
             Action::Retry { due_ms } => bind(&self.retry, due_ms)
-                .execute(pool)
+                .execute(&mut *conn)
                 .await
                 .map_err(err("retry"))?,
             Action::DeadLetter => match &self.dead {
                 DeadStatements::Mark(sql) => bind(sql, Some(settle.now_ms))
-                    .execute(pool)
+                    .execute(&mut *conn)
                     .await
                     .map_err(err("dead letter"))?,
                 DeadStatements::Move { copy, delete } => {
                     // BEGIN IMMEDIATE takes the write lock up front, so the copy never meets
                     // another writer half way ("database is locked").
-                    let mut tx = pool
+                    let mut tx = conn
                         .begin_with("BEGIN IMMEDIATE")
                         .await
                         .map_err(err("dead letter"))?;
@@ -225,7 +241,9 @@ impl SettleStatements {
                         .await
                         .map_err(err("dead letter delete"))?;
                     if done.rows_affected() != 1 {
-                        // The fence no longer holds: the copy must not stay either.
+                        // The fence no longer holds: the copy must not stay either. Rolled back
+                        // here, not on drop, since the connection is kept for the next statement.
+                        tx.rollback().await.map_err(err("dead letter rollback"))?;
                         return Ok(0);
                     }
                     tx.commit().await.map_err(err("dead letter commit"))?;

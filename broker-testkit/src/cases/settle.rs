@@ -404,7 +404,7 @@ pub async fn subscribe_with_transaction_outside_row_lock_is_refused<D: TestDb>(m
 }
 
 /// Connections of `broker`'s pool that are out of it now.
-fn pool_in_use<B: broker_core::Backend>(broker: &broker_core::Broker<B>) -> usize {
+pub(crate) fn pool_in_use<B: broker_core::Backend>(broker: &broker_core::Broker<B>) -> usize {
     let pool = broker.pool();
     usize::try_from(pool.size())
         .unwrap_or(usize::MAX)
