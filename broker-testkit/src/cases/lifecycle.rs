@@ -117,25 +117,7 @@ pub async fn a_stopped_subscription_gives_its_kept_connections_back_at_once<D: T
         before = before.min(super::settle::pool_in_use(&fx.broker));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let sub = {
-        let runs = runs.clone();
-        q.subscribe(SubscribeOptions::new().concurrency(4), move |_job| {
-            let runs = runs.clone();
-            async move {
-                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                Outcome::Ack
-            }
-        })
-        .expect("subscribe")
-    };
-    wait_until("a hundred rows ran", Duration::from_secs(30), || {
-        let n = runs.load(std::sync::atomic::Ordering::SeqCst);
-        async move { n >= 100 }
-    })
-    .await;
-    sub.shutdown().await;
+    super::settle::stop_after_runs::<D>(&q, Duration::from_millis(1), 100).await;
     let stopped = std::time::Instant::now();
     assert!(
         q.row_state(ids[ids.len() - 1]).await.unwrap().is_some(),

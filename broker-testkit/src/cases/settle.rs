@@ -411,6 +411,34 @@ pub(crate) fn pool_in_use<B: broker_core::Backend>(broker: &broker_core::Broker<
         .saturating_sub(pool.num_idle())
 }
 
+/// Subscribes four workers whose handler works for `work` and acks, waits (bounded) until
+/// `runs` rows ran, and stops the subscription: a stop while the table is still busy.
+pub(crate) async fn stop_after_runs<D: TestDb>(
+    q: &broker_core::Queue<D::B, D::Job>,
+    work: Duration,
+    runs: usize,
+) {
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let sub = {
+        let ran = ran.clone();
+        q.subscribe(SubscribeOptions::new().concurrency(4), move |_job| {
+            let ran = ran.clone();
+            async move {
+                ran.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(work).await;
+                Outcome::Ack
+            }
+        })
+        .expect("subscribe")
+    };
+    wait_until(&format!("{runs} rows ran"), Duration::from_secs(30), || {
+        let n = ran.load(std::sync::atomic::Ordering::SeqCst);
+        async move { n >= runs }
+    })
+    .await;
+    sub.shutdown().await;
+}
+
 /// A busy row lock subscription claims its next row on the connection its last delivery
 /// committed on, with no trip through the pool (whose test of a returning connection costs a
 /// round trip each way); once the table is drained it gives those connections back to the pool
@@ -489,25 +517,7 @@ pub async fn a_busy_subscription_claims_on_its_last_connection_and_gives_it_back
     }
     // Stopped while busy: the rows that settle as it stops keep nothing out of the pool.
     let ids = fx.publish(&q, 200).await;
-    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let sub = {
-        let runs = runs.clone();
-        q.subscribe(SubscribeOptions::new().concurrency(4), move |_job| {
-            let runs = runs.clone();
-            async move {
-                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                Ok::<_, broker_core::BoxError>(Outcome::Ack)
-            }
-        })
-        .expect("subscribe")
-    };
-    wait_until("twenty rows ran", Duration::from_secs(30), || {
-        let n = runs.load(std::sync::atomic::Ordering::SeqCst);
-        async move { n >= 20 }
-    })
-    .await;
-    sub.shutdown().await;
+    stop_after_runs::<D>(&q, Duration::from_millis(5), 20).await;
     assert!(
         q.row_state(ids[ids.len() - 1]).await.unwrap().is_some(),
         "rows were left when it stopped"
