@@ -242,10 +242,21 @@ where
             what: "a claim".into(),
         });
     }
+    let began = std::time::Instant::now();
     let claimed = queue.claim(limit.max(1), for_subscription).await?;
+    // How long the claim took: a row's hold was taken somewhere in it, so a fault between its
+    // start and now may have taken the hold before the handler begins.
+    let claim_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
     let mut out = Vec::with_capacity(claimed.len());
     for (row, hold) in claimed {
         if let Some(d) = Delivery::from_claim(queue.shared.clone(), row, hold).await {
+            tracing::debug!(
+                table = queue.shared.name(),
+                id = d.id,
+                attempt = d.attempt,
+                claim_us,
+                "claimed"
+            );
             out.push(d);
         }
     }

@@ -4,8 +4,9 @@
 //! Faults are recorded as they happened, by the code that caused them: the fault injector tells
 //! the history which broker it killed and when ([`History::connections_killed`],
 //! [`History::process_killed`]), and the history marks exactly the deliveries that broker had in
-//! work then (its handler running, or its settlement not yet through, as the broker's own
-//! `in_work` counter says). Every other delivery gets every check; a cut one gets the checks of
+//! work then: its handler running, its settlement not yet through (as the engine's `settled`
+//! events say), or, for a connection kill, the claim that delivered it in flight (as its
+//! `claimed` event says). Every other delivery gets every check; a cut one gets the checks of
 //! what its mode promises after that fault.
 //!
 //! Times are wall-clock offsets from the history's start, so deliveries reported by child
@@ -17,10 +18,6 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use broker_core::ClaimMode;
-
-/// How long after a connection kill a claim's reply, read off the socket before the kill took
-/// the session, may still reach its handler on a loaded machine.
-const CLAIM_REPLY_SLACK: Duration = Duration::from_secs(1);
 
 /// What a handler did with a delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +73,10 @@ impl Recorded {
 pub enum Cut {
     /// Its broker's database connections were terminated while its handler ran.
     ConnectionInHandler,
+    /// Its broker's database connections were terminated while the claim that delivered it
+    /// was in flight, and its handler began after: the hold (the key's session, the claim's
+    /// transaction) may have died before the handler began.
+    ConnectionInClaim,
     /// Its broker's connections were terminated after its handler returned, before its
     /// settlement was through.
     ConnectionSettling,
@@ -89,10 +90,6 @@ pub enum Cut {
 impl Cut {
     fn crash(self) -> bool {
         matches!(self, Self::CrashInHandler | Self::CrashSettling)
-    }
-
-    fn settling(self) -> bool {
-        matches!(self, Self::ConnectionSettling | Self::CrashSettling)
     }
 }
 
@@ -111,6 +108,9 @@ pub struct Record {
     pub group: Option<String>,
     /// When the handler started.
     pub start: Duration,
+    /// When the claim that delivered it began, as the engine reported it (a broker in this
+    /// process; `None` for a child's report).
+    pub claimed: Option<Duration>,
     /// When the handler ended; `None` while it runs. A crash ends it at the kill.
     pub end: Option<Duration>,
     /// What it did; `None` when its process was killed under it.
@@ -211,10 +211,11 @@ pub fn unix_micros() -> i64 {
 }
 
 impl History {
-    /// A history of deliveries from the queue table `table`; starts keeping the settlements the
-    /// engine reports (see [`crate::settlements`]), so faults can tell which were through.
+    /// A history of deliveries from the queue table `table`; starts keeping the settlements and
+    /// claims the engine reports (see [`crate::engine_events`]), so faults can tell which
+    /// settlements were through and which claims were in flight.
     pub fn new(table: &str) -> Self {
-        crate::settlements::install(false);
+        crate::engine_events::install(false);
         Self {
             table: table.to_owned(),
             epoch: SystemTime::now(),
@@ -251,15 +252,17 @@ impl History {
         group: Option<String>,
         lease_expires_ms: Option<i64>,
     ) -> usize {
-        self.start_at(
-            self.now(),
-            broker,
-            id,
-            attempt,
-            key,
-            group,
-            lease_expires_ms,
-        )
+        let at = self.now();
+        // The latest claim that returned this attempt of the row (row lock may claim one
+        // attempt again after a rollback).
+        let claimed = crate::engine_events::claims_began(&self.table, id, attempt)
+            .into_iter()
+            .map(|micros| self.at_unix_micros(micros))
+            .filter(|c| *c <= at)
+            .max();
+        let index = self.start_at(at, broker, id, attempt, key, group, lease_expires_ms);
+        self.lock()[index].claimed = claimed;
+        index
     }
 
     /// Records a handler's start at `at` (a child's report).
@@ -283,6 +286,7 @@ impl History {
             key,
             group,
             start: at,
+            claimed: None,
             end: None,
             outcome: None,
             lease_until,
@@ -365,7 +369,7 @@ impl History {
                 }
                 continue;
             }
-            let through = crate::settlements::settled(&self.table, r.id, r.attempt)
+            let through = crate::engine_events::settled(&self.table, r.id, r.attempt)
                 .into_iter()
                 .map(|micros| self.at_unix_micros(micros))
                 .any(|at| at >= r.start && at <= settled_by && at < next_starts[i]);
@@ -418,44 +422,19 @@ impl History {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        // A delivery whose hold a fault took before its handler began (its key's session or its
-        // transaction's connection died, and the claim's reply, already on the wire, reached the
-        // handler after the kill was over) is not among those the kill marked, but its
-        // settlement fails: one that overlapped a fault of its broker, or began within
-        // CLAIM_REPLY_SLACK after a connection kill, and that was never reported through did not finish its
-        // row, and gets the checks of a cut settlement. A delivery that began later had a live
-        // connection, and a settlement of it that never landed is a failure.
-        let next = next_starts(&records);
-        for (i, r) in records.iter_mut().enumerate() {
-            if r.end.is_none() {
-                continue;
-            }
-            if r.cut.is_some() || final_of(r, expect.max_attempts).is_none() {
-                continue;
-            }
-            let end = r.end.unwrap_or(Duration::MAX);
-            let Some(fault) = faults.iter().find(|f| {
-                // A crashed process runs nothing after it; a live one may still start handlers
-                // for claims its killed connections answered.
-                let reach = if f.crash {
-                    f.to
-                } else {
-                    f.to + CLAIM_REPLY_SLACK
-                };
-                f.broker == r.broker && end >= f.from && r.start <= reach
-            }) else {
-                continue;
-            };
-            let through = crate::settlements::settled(&self.table, r.id, r.attempt)
-                .into_iter()
-                .map(|micros| self.at_unix_micros(micros))
-                .any(|at| at >= r.start && at < next[i]);
-            if !through {
-                r.cut = Some(if fault.crash {
-                    Cut::CrashSettling
-                } else {
-                    Cut::ConnectionSettling
-                });
+        // A delivery whose claim was in flight while its broker's connections were terminated,
+        // and whose handler began after the kill was over, was not there for the kill to mark;
+        // but the kill may have taken its hold first (the key's session, the claim's
+        // transaction) with the claim's reply already read, so its row or key may be claimed
+        // again while it runs, and its settlement may fail. It gets the checks of a cut
+        // delivery. A delivery whose claim began after the kill had live connections.
+        for r in records.iter_mut().filter(|r| r.cut.is_none()) {
+            let claimed = r.claimed.unwrap_or(r.start);
+            if faults
+                .iter()
+                .any(|f| !f.crash && f.broker == r.broker && claimed <= f.to && r.start > f.to)
+            {
+                r.cut = Some(Cut::ConnectionInClaim);
             }
         }
         let mode = expect.mode;
@@ -505,7 +484,7 @@ impl History {
                 if c.crash() {
                     figures.crashed += 1;
                 }
-                if !c.settling() {
+                if matches!(c, Cut::ConnectionInHandler | Cut::CrashInHandler) {
                     figures.in_handler += 1;
                 }
             }
@@ -770,6 +749,7 @@ mod tests {
             key: Some(format!("k{id}")),
             group: Some("g".into()),
             start: Duration::from_millis(start),
+            claimed: None,
             end: Some(Duration::from_millis(end)),
             outcome,
             lease_until: None,
@@ -787,7 +767,7 @@ mod tests {
     fn settled(h: &History, id: i64, attempt: i64, at_ms: u64) {
         let at = h.epoch + Duration::from_millis(at_ms);
         let micros = at.duration_since(UNIX_EPOCH).unwrap().as_micros();
-        crate::settlements::note(&h.table, id, attempt, i64::try_from(micros).unwrap());
+        crate::engine_events::note(&h.table, id, attempt, i64::try_from(micros).unwrap());
     }
 
     fn expect(mode: ClaimMode, finals: &[(i64, Final)]) -> Expect {
@@ -1057,24 +1037,53 @@ mod tests {
         );
     }
     #[test]
-    fn a_claim_reply_that_outlived_its_connection_is_cut_only_right_after_the_kill() {
-        // The kill runs from 20 to 21 ms. Broker 0 starts a handler for row 1 at `start` whose
-        // ack never lands; broker 1 runs row 1 alongside it at the same attempt and acks it.
-        let run = |start: u64| {
-            let mut other = rec(1, 1, start + 2, start + 20, Some(Recorded::Ack));
+    fn a_delivery_whose_claim_was_in_flight_during_a_kill_is_cut() {
+        // The kill of broker 0's connections runs from 20 to 21 ms. Broker 0 starts a handler
+        // for row 1 at 25 ms from a claim that began at `claimed`; broker 1 runs row 1 alongside
+        // it at the same attempt (row lock: the kill rolled broker 0's claim back) and acks it.
+        let run = |claimed: u64| {
+            let mut mine = rec(1, 1, 25, 35, Some(Recorded::Ack));
+            mine.claimed = Some(Duration::from_millis(claimed));
+            let mut other = rec(1, 1, 27, 45, Some(Recorded::Ack));
             other.broker = 1;
-            let h = history(vec![
-                rec(1, 1, start, start + 10, Some(Recorded::Ack)),
-                other,
-            ]);
-            settled(&h, 1, 1, start + 21);
+            let h = history(vec![mine, other]);
+            settled(&h, 1, 1, 46);
             h.connections_killed(0, Duration::from_millis(20), Duration::from_millis(21));
             h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
         };
-        run(25).unwrap();
-        let err = run(1_500).unwrap_err();
+        run(19).unwrap();
+        run(21).unwrap();
+        let err = run(22).unwrap_err();
         assert!(err.contains("one row in two deliveries"), "{err}");
     }
+
+    #[test]
+    fn a_handler_start_takes_its_claim_time_from_the_engines_event() {
+        let h = History::new(&crate::unique_name("unit"));
+        // The claim begins after the history's start.
+        std::thread::sleep(Duration::from_millis(20));
+        // What the engine emits when a claim that took 5 ms returns a delivery.
+        tracing::debug!(
+            target: "broker_core::delivery",
+            table = h.table.as_str(),
+            id = 7_i64,
+            attempt = 2_i64,
+            claim_us = 5_000_u64,
+            "claimed"
+        );
+        let at = h.start(0, 7, 2, None, None, None);
+        let r = &h.records()[at];
+        let claimed = r.claimed.expect("the claim's event was kept");
+        assert!(
+            r.start - claimed >= Duration::from_millis(5),
+            "{claimed:?} {:?}",
+            r.start
+        );
+        // Another attempt of the row has no claim on record.
+        let other = h.start(0, 7, 3, None, None, None);
+        assert_eq!(h.records()[other].claimed, None);
+    }
+
     #[test]
     fn a_late_handler_of_an_earlier_claim_is_ordered_by_its_attempt() {
         // Advisory: the claim at attempt 1 lost its key's session before its handler began at

@@ -14,9 +14,9 @@
 //! ```
 
 pub mod cases;
+pub(crate) mod engine_events;
 pub(crate) mod fixture;
 pub mod history;
-pub(crate) mod settlements;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,

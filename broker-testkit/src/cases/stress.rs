@@ -16,8 +16,8 @@ use broker_core::{
 };
 
 use super::faults::{CHILD_ENV, spawn_child};
+use crate::engine_events::{self, SETTLED_LINE};
 use crate::history::{Expect, Final, History, Marked, Recorded, unix_micros};
-use crate::settlements::{self, SETTLED_LINE};
 use crate::{JobText, TestDb, unique_name, wait_until};
 
 /// Rows per stress run (`SQLX_BROKER_STRESS_ROWS`, default 4,000: each run now also starts and
@@ -249,7 +249,7 @@ impl ChildBroker {
                     local.insert(n, index_in_history);
                 } else if let Some(at) = line.find(SETTLED_LINE) {
                     let f: Vec<&str> = line[at + SETTLED_LINE.len()..].split(' ').collect();
-                    settlements::note(
+                    engine_events::note(
                         f[0],
                         f[1].parse().expect("an id"),
                         f[2].parse().expect("an attempt"),
@@ -313,7 +313,7 @@ async fn stress_child<D: TestDb>(spec: &str) {
         parts.next().unwrap(),
     );
     quiet_deliberate_panics();
-    settlements::install(true);
+    engine_events::install(true);
     let broker = D::connect(url).await;
     let queue = broker
         .queue::<D::Job>(stress_table(table, mode, dead))
