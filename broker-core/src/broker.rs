@@ -325,7 +325,7 @@ where
     /// Not cancel safe: a dropped claim may have taken rows that then wait for their lease or
     /// rollback. Let it finish.
     pub async fn claim(&self, limit: usize) -> Result<Vec<Delivery<B, T>>> {
-        delivery::claim(&self.inner, limit, false).await
+        delivery::claim(&self.inner, limit, None).await
     }
 
     /// Runs `handler` on every due row, with `options.concurrency` jobs in work at once; see

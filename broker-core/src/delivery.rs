@@ -225,12 +225,13 @@ impl<B: Backend, T> std::fmt::Debug for Delivery<B, T> {
     }
 }
 
-/// Claims up to `limit` rows as deliveries; rows whose attempts are spent or that do not decode
-/// are settled on the spot (see [`Delivery::from_claim`]).
+/// Claims up to `limit` rows as deliveries, for the subscription named `subscription` (`None`:
+/// a claim by hand); rows whose attempts are spent or that do not decode are settled on the spot
+/// (see [`Delivery::from_claim`]).
 pub(crate) async fn claim<B, T>(
     queue: &QueueInner<B>,
     limit: usize,
-    for_subscription: bool,
+    subscription: Option<&str>,
 ) -> Result<Vec<Delivery<B, T>>>
 where
     B: Backend,
@@ -243,7 +244,7 @@ where
         });
     }
     let began = std::time::Instant::now();
-    let claimed = queue.claim(limit.max(1), for_subscription).await?;
+    let claimed = queue.claim(limit.max(1), subscription.is_some()).await?;
     // How long the claim took: a row's hold was taken somewhere in it, so a fault between its
     // start and now may have taken the hold before the handler begins.
     let claim_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -252,6 +253,7 @@ where
         if let Some(d) = Delivery::from_claim(queue.shared.clone(), row, hold).await {
             tracing::debug!(
                 table = queue.shared.name(),
+                subscription = subscription.unwrap_or(""),
                 id = d.id,
                 attempt = d.attempt,
                 claim_us,

@@ -822,7 +822,9 @@ where
         self.tasks.spawn(
             async move {
                 let freed = e.freed.load(Ordering::SeqCst);
-                let result = delivery::claim::<B, T>(&e.queue, permits.num_permits(), true).await;
+                let result =
+                    delivery::claim::<B, T>(&e.queue, permits.num_permits(), Some(&e.options.name))
+                        .await;
                 let (next, mut rows) = e.sort_claim(result, permits, freed);
                 let first = (!rows.is_empty()).then(|| rows.remove(0));
                 reporter.send(ClaimReport {

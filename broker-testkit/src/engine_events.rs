@@ -30,9 +30,12 @@ fn settlements() -> &'static Times {
     SETTLED.get_or_init(Default::default)
 }
 
-/// When each claim that returned a delivery began (unix µs).
-fn claims() -> &'static Times {
-    static CLAIMED: OnceLock<Times> = OnceLock::new();
+/// Which subscription's claims returned each delivery, when they began and when they returned
+/// (unix µs).
+type Claims = Mutex<HashMap<Key, Vec<(String, i64, i64)>>>;
+
+fn claimed() -> &'static Claims {
+    static CLAIMED: OnceLock<Claims> = OnceLock::new();
     CLAIMED.get_or_init(Default::default)
 }
 
@@ -72,16 +75,25 @@ pub(crate) fn settled(table_name: &str, id: i64, attempt: i64) -> Vec<i64> {
         .unwrap_or_default()
 }
 
-/// When the claims that returned attempt `attempt` of row `id` in this process began (unix
-/// µs). Row lock counts no attempt at the claim, so a row whose claim rolled back is claimed
-/// again at the same attempt: there may be several.
-pub(crate) fn claims_began(table_name: &str, id: i64, attempt: i64) -> Vec<i64> {
-    claims()
+/// When the claims of the subscription named `subscription` (in this process) that returned
+/// attempt `attempt` of row `id` began and returned (unix µs). Row lock counts no attempt at the
+/// claim, so a row whose claim rolled back is claimed again at the same attempt: there may be
+/// several.
+pub(crate) fn claims(
+    table_name: &str,
+    subscription: &str,
+    id: i64,
+    attempt: i64,
+) -> Vec<(i64, i64)> {
+    claimed()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(&(table_name.to_owned(), id, attempt))
-        .cloned()
-        .unwrap_or_default()
+        .into_iter()
+        .flatten()
+        .filter(|(s, _, _)| s == subscription)
+        .map(|(_, began, returned)| (*began, *returned))
+        .collect()
 }
 
 #[derive(Default)]
@@ -100,6 +112,7 @@ enum Kind {
 struct Fields {
     kind: Option<Kind>,
     table: Option<String>,
+    subscription: Option<String>,
     id: Option<i64>,
     attempt: Option<i64>,
     claim_us: Option<u64>,
@@ -115,8 +128,10 @@ impl Visit for Fields {
     }
 
     fn record_str(&mut self, field: &Field, value: &str) {
-        if field.name() == "table" {
-            self.table = Some(value.to_owned());
+        match field.name() {
+            "table" => self.table = Some(value.to_owned()),
+            "subscription" => self.subscription = Some(value.to_owned()),
+            _ => {}
         }
     }
 
@@ -169,12 +184,12 @@ impl Subscriber for EngineEvents {
             (Kind::Settled, _) => note(&table_name, id, attempt, now),
             (Kind::Claimed, Some(took)) if !print => {
                 let began = now.saturating_sub(i64::try_from(took).unwrap_or(i64::MAX));
-                claims()
+                claimed()
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .entry((table_name, id, attempt))
                     .or_default()
-                    .push(began);
+                    .push((f.subscription.unwrap_or_default(), began, now));
             }
             (Kind::Claimed, _) => {}
         }

@@ -108,9 +108,9 @@ pub struct Record {
     pub group: Option<String>,
     /// When the handler started.
     pub start: Duration,
-    /// When the claim that delivered it began, as the engine reported it (a broker in this
-    /// process; `None` for a child's report).
-    pub claimed: Option<Duration>,
+    /// The claim that delivered it, as the engine reported it (a broker in this process whose
+    /// subscription is named [`History::subscription_name`]; `None` for a child's report).
+    pub claim: Option<Claim>,
     /// When the handler ended; `None` while it runs. A crash ends it at the kill.
     pub end: Option<Duration>,
     /// What it did; `None` when its process was killed under it.
@@ -119,6 +119,29 @@ pub struct Record {
     pub lease_until: Option<Duration>,
     /// The fault that reached it, if one did.
     pub cut: Option<Cut>,
+    /// When that fault began.
+    pub cut_from: Option<Duration>,
+}
+
+/// When the claim that returned a delivery ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// When the claim began.
+    pub began: Duration,
+    /// When it returned the delivery.
+    pub returned: Duration,
+}
+
+impl Record {
+    /// When the claim that delivered it began; its start when that is not known.
+    fn claim_began(&self) -> Duration {
+        self.claim.map_or(self.start, |c| c.began)
+    }
+
+    /// When the claim that delivered it returned; its start when that is not known.
+    fn claim_returned(&self) -> Duration {
+        self.claim.map_or(self.start, |c| c.returned)
+    }
 }
 
 /// What the database holds for a row after the run.
@@ -241,8 +264,19 @@ impl History {
         self.records.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The name a broker's subscription takes ([`SubscribeOptions::name`]), so the history can
+    /// tell its claims from those of other brokers in this process.
+    ///
+    /// [`SubscribeOptions::name`]: broker_core::SubscribeOptions::name
+    pub fn subscription_name(broker: usize) -> String {
+        format!("history-broker-{broker}")
+    }
+
     /// Records a handler's start now; returns the record's index for [`finish`](Self::finish).
-    /// `lease_expires_ms`: the delivery's lease expiry (unix ms), in lease mode.
+    /// `lease_expires_ms`: the delivery's lease expiry (unix ms), in lease mode. The claim that
+    /// delivered it is found among the engine's events when the broker's subscription is named
+    /// [`subscription_name`](Self::subscription_name)`(broker)`; else its claim time is unknown
+    /// and taken to be its start.
     pub fn start(
         &self,
         broker: usize,
@@ -255,13 +289,17 @@ impl History {
         let at = self.now();
         // The latest claim that returned this attempt of the row (row lock may claim one
         // attempt again after a rollback).
-        let claimed = crate::engine_events::claims_began(&self.table, id, attempt)
+        let subscription = Self::subscription_name(broker);
+        let claim = crate::engine_events::claims(&self.table, &subscription, id, attempt)
             .into_iter()
-            .map(|micros| self.at_unix_micros(micros))
-            .filter(|c| *c <= at)
-            .max();
+            .map(|(began, returned)| Claim {
+                began: self.at_unix_micros(began),
+                returned: self.at_unix_micros(returned),
+            })
+            .filter(|c| c.returned <= at)
+            .max_by_key(|c| c.returned);
         let index = self.start_at(at, broker, id, attempt, key, group, lease_expires_ms);
-        self.lock()[index].claimed = claimed;
+        self.lock()[index].claim = claim;
         index
     }
 
@@ -286,11 +324,12 @@ impl History {
             key,
             group,
             start: at,
-            claimed: None,
+            claim: None,
             end: None,
             outcome: None,
             lease_until,
             cut: None,
+            cut_from: None,
         });
         records.len() - 1
     }
@@ -363,6 +402,7 @@ impl History {
             };
             if running {
                 r.cut = Some(in_handler);
+                r.cut_from = Some(from);
                 marked.in_handler += 1;
                 if crash {
                     r.end = Some(to);
@@ -375,6 +415,7 @@ impl History {
                 .any(|at| at >= r.start && at <= settled_by && at < next_starts[i]);
             if !through {
                 r.cut = Some(settling);
+                r.cut_from = Some(from);
                 marked.settling += 1;
             }
         }
@@ -429,12 +470,13 @@ impl History {
         // again while it runs, and its settlement may fail. It gets the checks of a cut
         // delivery. A delivery whose claim began after the kill had live connections.
         for r in records.iter_mut().filter(|r| r.cut.is_none()) {
-            let claimed = r.claimed.unwrap_or(r.start);
-            if faults
+            let began = r.claim_began();
+            if let Some(f) = faults
                 .iter()
-                .any(|f| !f.crash && f.broker == r.broker && claimed <= f.to && r.start > f.to)
+                .find(|f| !f.crash && f.broker == r.broker && began <= f.to && r.start > f.to)
             {
                 r.cut = Some(Cut::ConnectionInClaim);
+                r.cut_from = Some(f.from);
             }
         }
         let mode = expect.mode;
@@ -720,10 +762,15 @@ fn no_overlap(
 ) {
     for w in sorted.windows(2) {
         let (a, b) = (w[0], w[1]);
-        // `b` may be the late handler of an earlier claim of the same row (a lower attempt),
-        // whose hold the fault freed before it began: the row's own check orders them by
-        // attempt.
-        let earlier_claim = b.id == a.id && b.attempt < a.attempt && may_overlap(b);
+        // `b` may be the late handler of an earlier claim whose hold the fault that reached it
+        // freed before `a` took what it held: a claim of the same row at a lower attempt (lease
+        // and advisory count one at each claim; the row's own check orders them by attempt), or
+        // one that began before `a`'s claim, where `a`'s returned after that fault began.
+        let earlier_claim = may_overlap(b)
+            && ((b.id == a.id && b.attempt < a.attempt)
+                || (b.claim.is_some()
+                    && b.claim_began() < a.claim_began()
+                    && b.cut_from.is_some_and(|from| a.claim_returned() >= from)));
         if let Some(end) = a.end
             && b.start < end
             && !may_overlap(a)
@@ -749,11 +796,12 @@ mod tests {
             key: Some(format!("k{id}")),
             group: Some("g".into()),
             start: Duration::from_millis(start),
-            claimed: None,
+            claim: None,
             end: Some(Duration::from_millis(end)),
             outcome,
             lease_until: None,
             cut: None,
+            cut_from: None,
         }
     }
 
@@ -1043,7 +1091,10 @@ mod tests {
         // it at the same attempt (row lock: the kill rolled broker 0's claim back) and acks it.
         let run = |claimed: u64| {
             let mut mine = rec(1, 1, 25, 35, Some(Recorded::Ack));
-            mine.claimed = Some(Duration::from_millis(claimed));
+            mine.claim = Some(Claim {
+                began: Duration::from_millis(claimed),
+                returned: Duration::from_millis(24),
+            });
             let mut other = rec(1, 1, 27, 45, Some(Recorded::Ack));
             other.broker = 1;
             let h = history(vec![mine, other]);
@@ -1066,22 +1117,54 @@ mod tests {
         tracing::debug!(
             target: "broker_core::delivery",
             table = h.table.as_str(),
+            subscription = History::subscription_name(3).as_str(),
             id = 7_i64,
             attempt = 2_i64,
             claim_us = 5_000_u64,
             "claimed"
         );
-        let at = h.start(0, 7, 2, None, None, None);
+        let at = h.start(3, 7, 2, None, None, None);
         let r = &h.records()[at];
-        let claimed = r.claimed.expect("the claim's event was kept");
+        let claim = r.claim.expect("the claim's event was kept");
         assert!(
-            r.start - claimed >= Duration::from_millis(5),
-            "{claimed:?} {:?}",
+            claim.returned - claim.began >= Duration::from_millis(5) && claim.returned <= r.start,
+            "{claim:?} {:?}",
             r.start
         );
-        // Another attempt of the row has no claim on record.
-        let other = h.start(0, 7, 3, None, None, None);
-        assert_eq!(h.records()[other].claimed, None);
+        // Another attempt of the row, or another broker's delivery of it, has no claim on
+        // record.
+        let other = h.start(3, 7, 3, None, None, None);
+        assert_eq!(h.records()[other].claim, None);
+        let other = h.start(4, 7, 2, None, None, None);
+        assert_eq!(h.records()[other].claim, None);
+    }
+
+    #[test]
+    fn a_late_handler_of_an_earlier_claim_is_ordered_by_its_claim() {
+        // Row lock: broker 1 claimed row 1 at 10-11 ms; the kill of its connections (20-23 ms)
+        // rolled its claim back before its handler began at 22 ms. Broker 0's claim, returned at
+        // `returned`, ran the row from 21 ms, at the same attempt.
+        let run = |returned: u64| {
+            let mut mine = rec(1, 1, 21, 30, Some(Recorded::Ack));
+            mine.claim = Some(Claim {
+                began: Duration::from_millis(returned - 1),
+                returned: Duration::from_millis(returned),
+            });
+            let mut late = rec(1, 1, 22, 25, Some(Recorded::Ack));
+            late.broker = 1;
+            late.claim = Some(Claim {
+                began: Duration::from_millis(10),
+                returned: Duration::from_millis(11),
+            });
+            let h = history(vec![mine, late]);
+            settled(&h, 1, 1, 31);
+            h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(23));
+            h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+        };
+        run(21).unwrap();
+        // A claim that returned before the kill took the row while broker 1 still held it.
+        let err = run(15).unwrap_err();
+        assert!(err.contains("one row in two deliveries"), "{err}");
     }
 
     #[test]

@@ -235,6 +235,7 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
         let history = history.clone();
         q.subscribe(
             SubscribeOptions::new()
+                .name(History::subscription_name(index))
                 .concurrency(4)
                 .poll_interval(Duration::from_millis(50))
                 .error_backoff(Duration::ZERO, Duration::ZERO),

@@ -140,7 +140,7 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
     queue
         .subscribe(
             SubscribeOptions::new()
-                .name(format!("stress-{index}"))
+                .name(History::subscription_name(index))
                 .concurrency(CONCURRENCY)
                 .batch_size(CONCURRENCY)
                 .poll_interval(Duration::from_millis(100))
