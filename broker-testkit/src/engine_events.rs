@@ -65,14 +65,23 @@ pub(crate) fn note(table_name: &str, id: i64, attempt: i64, micros: i64) {
         .push(micros);
 }
 
-/// When the settlements of delivery `attempt` of row `id` went through (unix µs).
-pub(crate) fn settled(table_name: &str, id: i64, attempt: i64) -> Vec<i64> {
-    settlements()
-        .lock()
+/// What `map` holds for delivery `attempt` of row `id` of `table_name`.
+fn of_delivery<V: Clone>(
+    map: &Mutex<HashMap<Key, Vec<V>>>,
+    table_name: &str,
+    id: i64,
+    attempt: i64,
+) -> Vec<V> {
+    map.lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(&(table_name.to_owned(), id, attempt))
         .cloned()
         .unwrap_or_default()
+}
+
+/// When the settlements of delivery `attempt` of row `id` went through (unix µs).
+pub(crate) fn settled(table_name: &str, id: i64, attempt: i64) -> Vec<i64> {
+    of_delivery(settlements(), table_name, id, attempt)
 }
 
 /// When the claims of the subscription named `subscription` (in this process) that returned
@@ -85,14 +94,10 @@ pub(crate) fn claims(
     id: i64,
     attempt: i64,
 ) -> Vec<(i64, i64)> {
-    claimed()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&(table_name.to_owned(), id, attempt))
+    of_delivery(claimed(), table_name, id, attempt)
         .into_iter()
-        .flatten()
         .filter(|(s, _, _)| s == subscription)
-        .map(|(_, began, returned)| (*began, *returned))
+        .map(|(_, began, returned)| (began, returned))
         .collect()
 }
 
