@@ -498,15 +498,26 @@ impl History {
                 let _ = writeln!(problems, "still running at the check: {r:?}");
             }
         }
-        // A row's deliveries in claim order. Lease and advisory count an attempt at every claim,
-        // so the attempt orders them even when a handler whose claim's connection was killed
-        // starts after a later claim's handler; row lock keeps the attempt across a rollback,
-        // so the start orders its deliveries.
+        // A row's deliveries in claim order. A row's attempt never goes down, so the attempt
+        // orders them; lease and advisory count one at every claim, so it orders them even
+        // when a handler whose claim's connection was killed starts after a later claim's
+        // handler. Row lock keeps the attempt across a rollback: within one attempt the start
+        // orders its deliveries, save for the late handler of an earlier claim, which goes
+        // before the deliveries whose claims came after it (see `claimed_earlier`).
         for list in by_id.values_mut() {
+            list.sort_by_key(|r| (r.attempt, r.start));
             if mode == ClaimMode::RowLock {
-                list.sort_by_key(|r| r.start);
-            } else {
-                list.sort_by_key(|r| (r.attempt, r.start));
+                for i in 1..list.len() {
+                    let mut j = i;
+                    while j > 0
+                        && list[j].attempt == list[j - 1].attempt
+                        && may_overlap(list[j])
+                        && claimed_earlier(list[j], list[j - 1])
+                    {
+                        list.swap(j, j - 1);
+                        j -= 1;
+                    }
+                }
             }
         }
         let mut figures = Figures {
@@ -569,8 +580,15 @@ impl History {
                     {
                         let _ = writeln!(
                             problems,
-                            "group {g} moved on from row {} before it finished:\n  {a:?}\n  {b:?}",
-                            a.id
+                            "group {g} moved on from row {} before it finished:\n  {a:?}\n  {b:?}\n  \
+                             row {} ends {:?} in the database; its deliveries by attempt:{}",
+                            a.id,
+                            a.id,
+                            expect.finals.get(&a.id),
+                            by_id.get(&a.id).map_or_else(String::new, |list| list
+                                .iter()
+                                .map(|r| format!("\n    {r:?}"))
+                                .collect::<String>()),
                         );
                     }
                 }
@@ -624,6 +642,16 @@ impl History {
         if problems.is_empty() {
             Ok(figures)
         } else {
+            for f in &faults {
+                let _ = writeln!(
+                    problems,
+                    "fault: {} of broker {} from {:?} to {:?}",
+                    if f.crash { "crash" } else { "connection kill" },
+                    f.broker,
+                    f.from,
+                    f.to
+                );
+            }
             Err(problems)
         }
     }
@@ -752,6 +780,19 @@ fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
     }
 }
 
+/// Whether `b`, a delivery a fault reached, is the late handler of a claim that began before
+/// `a`'s, where `a`'s claim returned after that fault began: the fault freed `b`'s hold (its
+/// transaction or key session) while `b`'s claim was in flight, so `a` could take what `b`
+/// held, and `b`'s handler started after `a`'s although its claim came first. Both claims must
+/// be known: a child process reports no claims, and its handler's start is later than its
+/// claim began.
+fn claimed_earlier(b: &Record, a: &Record) -> bool {
+    b.claim.is_some()
+        && a.claim.is_some()
+        && b.claim_began() < a.claim_began()
+        && b.cut_from.is_some_and(|from| a.claim_returned() >= from)
+}
+
 /// Consecutive deliveries (sorted by start) must not overlap, unless the fault that reached the
 /// first freed what held it (`may_overlap`).
 fn no_overlap(
@@ -766,11 +807,8 @@ fn no_overlap(
         // freed before `a` took what it held: a claim of the same row at a lower attempt (lease
         // and advisory count one at each claim; the row's own check orders them by attempt), or
         // one that began before `a`'s claim, where `a`'s returned after that fault began.
-        let earlier_claim = may_overlap(b)
-            && ((b.id == a.id && b.attempt < a.attempt)
-                || (b.claim.is_some()
-                    && b.claim_began() < a.claim_began()
-                    && b.cut_from.is_some_and(|from| a.claim_returned() >= from)));
+        let earlier_claim =
+            may_overlap(b) && ((b.id == a.id && b.attempt < a.attempt) || claimed_earlier(b, a));
         if let Some(end) = a.end
             && b.start < end
             && !may_overlap(a)
@@ -1165,6 +1203,91 @@ mod tests {
         // A claim that returned before the kill took the row while broker 1 still held it.
         let err = run(15).unwrap_err();
         assert!(err.contains("one row in two deliveries"), "{err}");
+    }
+
+    #[test]
+    fn a_late_handler_of_an_earlier_row_lock_claim_comes_before_a_retry() {
+        // Row lock: broker 1's claim of row 1 began at `late_began` and its transaction died in
+        // the kill of its connections (20-23 ms); its handler panicked at 22 ms. Broker 0 had
+        // claimed the row at 15-21 ms and its handler panicked at 21 ms: the retry counted the
+        // attempt, and broker 0 ran attempt 2 at 30 ms.
+        let run = |late_began: u64| {
+            let mut mine = rec(1, 1, 21, 21, Some(Recorded::Panic));
+            mine.claim = Some(Claim {
+                began: Duration::from_millis(15),
+                returned: Duration::from_millis(21),
+            });
+            let mut late = rec(1, 1, 22, 22, Some(Recorded::Panic));
+            late.broker = 1;
+            late.claim = Some(Claim {
+                began: Duration::from_millis(late_began),
+                returned: Duration::from_millis(22),
+            });
+            let mut again = rec(1, 2, 30, 31, Some(Recorded::Ack));
+            again.claim = Some(Claim {
+                began: Duration::from_millis(29),
+                returned: Duration::from_millis(30),
+            });
+            let h = history(vec![mine, late, again]);
+            settled(&h, 1, 1, 21);
+            settled(&h, 1, 2, 31);
+            h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(23));
+            h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+        };
+        run(12).unwrap();
+        // A claim that began after broker 0's could not have taken the row before it.
+        let err = run(16).unwrap_err();
+        assert!(err.contains("attempt went from 1 to 1"), "{err}");
+        // A claim that began first but read the attempt a later retry counted came after that
+        // retry, whatever its start: broker 0's claim (12-30 ms, through the kill of its
+        // connections at 10-13 ms) read attempt 2, after broker 1 ran attempt 1 (a retry).
+        let mut slow = rec(1, 2, 30, 31, Some(Recorded::Ack));
+        slow.claim = Some(Claim {
+            began: Duration::from_millis(12),
+            returned: Duration::from_millis(30),
+        });
+        let mut first = rec(1, 1, 20, 20, Some(Recorded::Retry));
+        first.broker = 1;
+        first.claim = Some(Claim {
+            began: Duration::from_millis(13),
+            returned: Duration::from_millis(20),
+        });
+        let h = history(vec![first, slow]);
+        settled(&h, 1, 1, 20);
+        settled(&h, 1, 2, 31);
+        h.connections_killed(0, Duration::from_millis(10), Duration::from_millis(13));
+        h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+            .unwrap();
+    }
+
+    #[test]
+    fn a_late_handler_is_not_put_before_a_delivery_whose_claim_is_unknown() {
+        // Row lock: a child process (broker 100, which reports no claims) ran row 1 from 30 ms
+        // until it was killed at 35 ms. Broker 1's claim began at 25 ms, in the kill of its
+        // connections (20-28 ms), and took the row after the crash; its handler retried at
+        // 40 ms, and broker 0 acked attempt 2 at 50 ms. The child's claim began before its
+        // start, so nothing says broker 1's came first.
+        let mut child = rec(1, 1, 30, 0, None);
+        child.broker = 100;
+        child.end = None;
+        let mut late = rec(1, 1, 40, 41, Some(Recorded::RetryAfter));
+        late.broker = 1;
+        late.claim = Some(Claim {
+            began: Duration::from_millis(25),
+            returned: Duration::from_millis(40),
+        });
+        let mut last = rec(1, 2, 50, 51, Some(Recorded::Ack));
+        last.claim = Some(Claim {
+            began: Duration::from_millis(49),
+            returned: Duration::from_millis(50),
+        });
+        let h = history(vec![child, late, last]);
+        settled(&h, 1, 1, 41);
+        settled(&h, 1, 2, 51);
+        h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(28));
+        h.process_killed(100, Duration::from_millis(35), Duration::from_millis(36));
+        h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+            .unwrap();
     }
 
     #[test]

@@ -536,7 +536,14 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
     let figures = match history.check(&expect) {
         Ok(f) => f,
         Err(problems) => {
-            let head: String = problems.lines().take(60).collect::<Vec<_>>().join("\n");
+            // The first problems, and the faults (listed last) that may explain them.
+            let head: String = problems
+                .lines()
+                .enumerate()
+                .filter(|(i, l)| *i < 60 || l.starts_with("fault: "))
+                .map(|(_, l)| l)
+                .collect::<Vec<_>>()
+                .join("\n");
             panic!("the history check failed:\n{head}\nfaults: {cuts:?}");
         }
     };
