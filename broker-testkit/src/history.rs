@@ -503,17 +503,13 @@ impl History {
         // when a handler whose claim's connection was killed starts after a later claim's
         // handler. Row lock keeps the attempt across a rollback: within one attempt the start
         // orders its deliveries, save for the late handler of an earlier claim, which goes
-        // before the deliveries whose claims came after it (see `claimed_earlier`).
+        // before the deliveries whose claims came after it (see `late_in_row_lock`).
         for list in by_id.values_mut() {
             list.sort_by_key(|r| (r.attempt, r.start));
             if mode == ClaimMode::RowLock {
                 for i in 1..list.len() {
                     let mut j = i;
-                    while j > 0
-                        && list[j].attempt == list[j - 1].attempt
-                        && may_overlap(list[j])
-                        && claimed_earlier(list[j], list[j - 1])
-                    {
+                    while j > 0 && late_in_row_lock(list[j], list[j - 1]) {
                         list.swap(j, j - 1);
                         j -= 1;
                     }
@@ -791,6 +787,22 @@ fn claimed_earlier(b: &Record, a: &Record) -> bool {
         && a.claim.is_some()
         && b.claim_began() < a.claim_began()
         && b.cut_from.is_some_and(|from| a.claim_returned() >= from)
+}
+
+/// Row lock: whether `b`, a delivery of the same row and attempt as `a` that started after it,
+/// was claimed before `a`. `b` must have lost its transaction to a kill of its connections that
+/// began before `a` took the row (by `a`'s claim's return; its start when the claim is not
+/// known). Then either both claims are known and `b`'s began first (`claimed_earlier`), or `a`
+/// ran uncut to an outcome: its settlement counted the attempt or finished the row, so a claim
+/// after `a`'s would have read another attempt or no row.
+fn late_in_row_lock(b: &Record, a: &Record) -> bool {
+    let lost_first = matches!(
+        b.cut,
+        Some(Cut::ConnectionInHandler | Cut::ConnectionInClaim)
+    ) && b.cut_from.is_some_and(|from| from < a.claim_returned());
+    b.attempt == a.attempt
+        && lost_first
+        && (claimed_earlier(b, a) || (a.cut.is_none() && a.outcome.is_some()))
 }
 
 /// Consecutive deliveries (sorted by start) must not overlap, unless the fault that reached the
@@ -1207,15 +1219,17 @@ mod tests {
 
     #[test]
     fn a_late_handler_of_an_earlier_row_lock_claim_comes_before_a_retry() {
-        // Row lock: broker 1's claim of row 1 began at `late_began` and its transaction died in
-        // the kill of its connections (20-23 ms); its handler panicked at 22 ms. Broker 0 had
-        // claimed the row at 15-21 ms and its handler panicked at 21 ms: the retry counted the
-        // attempt, and broker 0 ran attempt 2 at 30 ms.
-        let run = |late_began: u64| {
-            let mut mine = rec(1, 1, 21, 21, Some(Recorded::Panic));
-            mine.claim = Some(Claim {
+        // Row lock: broker 1's claim of row 1 (from `late_began` to 22 ms) read attempt 1 and
+        // its transaction died in the kill of its connections (20-23 ms); its handler panicked
+        // at 22 ms. Broker 0's claim (with `known` claim times: 15 ms to `mine_took`) took the
+        // row and its handler panicked at `mine_took`: the retry counted the attempt, and
+        // broker 0 ran attempt 2 at 30 ms. Broker 1 read attempt 1, so it took the row before
+        // broker 0 did, which it could only if its transaction had died by then.
+        let run = |late_began: u64, mine_took: u64, known: bool| {
+            let mut mine = rec(1, 1, mine_took, mine_took, Some(Recorded::Panic));
+            mine.claim = known.then_some(Claim {
                 began: Duration::from_millis(15),
-                returned: Duration::from_millis(21),
+                returned: Duration::from_millis(mine_took),
             });
             let mut late = rec(1, 1, 22, 22, Some(Recorded::Panic));
             late.broker = 1;
@@ -1229,15 +1243,20 @@ mod tests {
                 returned: Duration::from_millis(30),
             });
             let h = history(vec![mine, late, again]);
-            settled(&h, 1, 1, 21);
+            settled(&h, 1, 1, mine_took);
             settled(&h, 1, 2, 31);
             h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(23));
             h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
         };
-        run(12).unwrap();
-        // A claim that began after broker 0's could not have taken the row before it.
-        let err = run(16).unwrap_err();
-        assert!(err.contains("attempt went from 1 to 1"), "{err}");
+        run(12, 21, true).unwrap();
+        // Claims that overlapped, and a claim (a child process's) whose times are unknown.
+        run(16, 21, true).unwrap();
+        run(12, 21, false).unwrap();
+        // Broker 0 took the row before the kill: broker 1 still held it then.
+        for known in [true, false] {
+            let err = run(12, 19, known).unwrap_err();
+            assert!(err.contains("attempt went from 1 to 1"), "{err}");
+        }
         // A claim that began first but read the attempt a later retry counted came after that
         // retry, whatever its start: broker 0's claim (12-30 ms, through the kill of its
         // connections at 10-13 ms) read attempt 2, after broker 1 ran attempt 1 (a retry).
