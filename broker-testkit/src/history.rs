@@ -573,6 +573,7 @@ impl History {
                     } else if b.id > a.id
                         && final_of(a, expect.max_attempts).is_none()
                         && !(a_dead && unseen_claim(a.start, b.start))
+                        && !finished_by(&by_id, a.id, b.start, expect.max_attempts)
                     {
                         let _ = writeln!(
                             problems,
@@ -787,6 +788,24 @@ fn claimed_earlier(b: &Record, a: &Record) -> bool {
         && a.claim.is_some()
         && b.claim_began() < a.claim_began()
         && b.cut_from.is_some_and(|from| a.claim_returned() >= from)
+}
+
+/// Whether another delivery of row `id`, which no fault reached (so its settlement landed),
+/// finished the row and ended by `at`. A group may move on from a delivery whose handler started
+/// late (its claim's connection was killed) once a later claim of its row has finished it.
+fn finished_by(
+    by_id: &BTreeMap<i64, Vec<&Record>>,
+    id: i64,
+    at: Duration,
+    max_attempts: Option<u32>,
+) -> bool {
+    by_id.get(&id).is_some_and(|list| {
+        list.iter().any(|r| {
+            r.cut.is_none()
+                && final_of(r, max_attempts).is_some()
+                && r.end.is_some_and(|end| end <= at)
+        })
+    })
 }
 
 /// Row lock: whether `b`, a delivery of the same row and attempt as `a` that started after it,
@@ -1307,6 +1326,47 @@ mod tests {
         h.process_killed(100, Duration::from_millis(35), Duration::from_millis(36));
         h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
             .unwrap();
+    }
+
+    #[test]
+    fn a_group_moves_on_once_a_later_claim_finished_a_late_handlers_row() {
+        // Advisory: broker 1's connections were killed from 7 ms on. Its delivery of row 1 at
+        // attempt 2 (claimed 15-21 ms) began after a child process had claimed attempt 3 and
+        // started it at 20 ms; the child acked at `acked`. Row 2 of the group ran at 40 ms.
+        let run = |acked: u64| {
+            let mut first = rec(1, 1, 5, 8, Some(Recorded::Retry));
+            first.broker = 1;
+            first.claim = Some(Claim {
+                began: Duration::from_millis(4),
+                returned: Duration::from_millis(5),
+            });
+            let mut late = rec(1, 2, 21, 25, Some(Recorded::Error));
+            late.broker = 1;
+            late.claim = Some(Claim {
+                began: Duration::from_millis(15),
+                returned: Duration::from_millis(21),
+            });
+            let mut child = rec(1, 3, 20, acked, Some(Recorded::Ack));
+            child.broker = 100;
+            let mut next = rec(2, 1, 40, 41, Some(Recorded::Ack));
+            next.key = Some("k2".into());
+            next.claim = Some(Claim {
+                began: Duration::from_millis(39),
+                returned: Duration::from_millis(40),
+            });
+            let h = history(vec![first, late, child, next]);
+            settled(&h, 1, 3, acked);
+            settled(&h, 2, 1, 41);
+            h.connections_killed(1, Duration::from_millis(7), Duration::from_millis(100));
+            h.check(&expect(
+                ClaimMode::Advisory,
+                &[(1, Final::Gone), (2, Final::Gone)],
+            ))
+        };
+        run(22).unwrap();
+        // The row was still in work when the group's next row began.
+        let err = run(45).unwrap_err();
+        assert!(err.contains("group g moved on from row 1"), "{err}");
     }
 
     #[test]
