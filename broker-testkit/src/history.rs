@@ -464,16 +464,17 @@ impl History {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         // A delivery whose claim was in flight while its broker's connections were terminated,
-        // and whose handler began after the kill was over, was not there for the kill to mark;
-        // but the kill may have taken its hold first (the key's session, the claim's
-        // transaction) with the claim's reply already read, so its row or key may be claimed
-        // again while it runs, and its settlement may fail. It gets the checks of a cut
-        // delivery. A delivery whose claim began after the kill had live connections.
+        // and whose handler began after the kill began, was not there for the kill to mark (it
+        // began after the kill was over, or its record came in just after the kill marked the
+        // handlers it found); but the kill may have taken its hold first (the key's session,
+        // the claim's transaction) with the claim's reply already read, so its row or key may
+        // be claimed again while it runs, and its settlement may fail. It gets the checks of a
+        // cut delivery. A delivery whose claim began after the kill had live connections.
         for r in records.iter_mut().filter(|r| r.cut.is_none()) {
             let began = r.claim_began();
             if let Some(f) = faults
                 .iter()
-                .find(|f| !f.crash && f.broker == r.broker && began <= f.to && r.start > f.to)
+                .find(|f| !f.crash && f.broker == r.broker && began <= f.to && r.start >= f.from)
             {
                 r.cut = Some(Cut::ConnectionInClaim);
                 r.cut_from = Some(f.from);
@@ -1367,6 +1368,32 @@ mod tests {
         // The row was still in work when the group's next row began.
         let err = run(45).unwrap_err();
         assert!(err.contains("group g moved on from row 1"), "{err}");
+    }
+
+    #[test]
+    fn a_handler_recorded_just_after_a_kill_marked_its_broker_is_cut() {
+        // Row lock: broker 1's claim of row 1 (10-29 ms) was in flight through the kill of its
+        // connections (20-30 ms) and lost its transaction; its handler began at 29 ms, but its
+        // record came in just after the kill marked the handlers it found. Broker 1's next
+        // claim (29.5-31 ms) took the row again, at the same attempt, and both acked.
+        let mut missed = rec(1, 1, 29, 40, Some(Recorded::Ack));
+        missed.broker = 1;
+        missed.claim = Some(Claim {
+            began: Duration::from_millis(10),
+            returned: Duration::from_millis(29),
+        });
+        let mut again = rec(1, 1, 31, 39, Some(Recorded::Ack));
+        again.broker = 1;
+        again.claim = Some(Claim {
+            began: Duration::from_micros(29_500),
+            returned: Duration::from_millis(31),
+        });
+        let h = history(vec![again]);
+        settled(&h, 1, 1, 39);
+        h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(30));
+        h.records.lock().unwrap().insert(0, missed);
+        h.check(&expect(ClaimMode::RowLock, &[(1, Final::Gone)]))
+            .unwrap();
     }
 
     #[test]
