@@ -250,6 +250,76 @@ pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
     open.into_iter().filter(|id| mine.contains(id)).count()
 }
 
+/// An open transaction as [`open_transaction_details`] reads it: session, state, age (ms), rows
+/// locked, statement, and the session's command, state and time in the process list.
+type TrxRow = (
+    u64,
+    String,
+    i64,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+);
+
+/// What the open transactions of the broker's sessions are doing: per transaction its session,
+/// state, age, rows locked and statement, and whether the session is still in the process list
+/// (and what it runs there). For a leak report that explains itself.
+async fn open_transaction_details(broker: &MySqlBroker) -> String {
+    let mut admin = admin().await;
+    let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
+    let rows: Vec<TrxRow> =
+        sqlx::query_as(
+            "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state,              CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED),              CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED)              FROM information_schema.INNODB_TRX AS t              LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
+        )
+        .fetch_all(&mut admin)
+        .await
+        .unwrap_or_default();
+    let _ = admin.close().await;
+    // Which of them sit idle in the pool, and what each idle connection's session says of
+    // its own transaction: an idle pooled session inside a transaction was given back
+    // unfinished; an open transaction on no idle connection is on one held outside the pool.
+    let pool = broker.pool();
+    let mut held = Vec::new();
+    for _ in 0..pool.num_idle() {
+        match tokio::time::timeout(Duration::from_secs(5), pool.acquire()).await {
+            Ok(Ok(conn)) => held.push(conn),
+            _ => break,
+        }
+    }
+    let mut idle = String::new();
+    for conn in &mut held {
+        let state: Option<(u64, i64, i64)> = sqlx::query_as(
+            "SELECT CAST(CONNECTION_ID() AS UNSIGNED), CAST(@@in_transaction AS SIGNED), \
+             CAST(@@autocommit AS SIGNED)",
+        )
+        .fetch_optional(&mut **conn)
+        .await
+        .unwrap_or(None);
+        if let Some((id, in_trx, autocommit)) = state {
+            idle.push_str(&format!(
+                "\n  idle pooled session {id}: in_transaction {in_trx}, autocommit {autocommit}"
+            ));
+        }
+    }
+    drop(held);
+    let open: String = rows
+        .into_iter()
+        .filter(|r| mine.contains(&r.0))
+        .map(|(id, state, age_ms, locked, query, command, pstate, time)| {
+            format!(
+                "\n  session {id}: {state} for {age_ms} ms, {locked} rows locked, statement {query:?}; {}",
+                match command {
+                    Some(c) => format!("in the process list: {c} {pstate:?} for {time:?} s"),
+                    None => "not in the process list".to_owned(),
+                }
+            )
+        })
+        .collect();
+    format!("{open}{idle}")
+}
+
 /// What the broker leaves behind: connections of its pool still in use, open transactions of
 /// its sessions, and idle pooled connections that still hold a user lock (which a `GET_LOCK` on
 /// them would take again, re-entrantly). Waits up to 5 s for connections on their way back to
@@ -269,7 +339,14 @@ pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
         }
         let open = open_transactions(broker).await;
         if open > 0 {
-            out.push(format!("{open} open transactions"));
+            if polls > 100 {
+                out.push(format!(
+                    "{open} open transactions:{}",
+                    open_transaction_details(broker).await
+                ));
+            } else {
+                out.push(format!("{open} open transactions"));
+            }
         }
         if out.is_empty() || polls > 100 {
             break;
