@@ -764,7 +764,10 @@ where
             1
         };
         let window = self.window.clone();
+        // In this order: a stop wins over a handler that ended at the same time, so that
+        // handler is counted as finished during the shutdown (see `shut_down`).
         tokio::select! {
+            biased;
             _ = self.stop.changed() => Event::Stop,
             _ = self.broker_stop.changed() => Event::Stop,
             Some(report) = self.reports.recv() => Event::Report(report),

@@ -37,9 +37,17 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
         async move { q.metrics().in_work == 3 }
     })
     .await;
-    let shutdown = tokio::spawn(sub.shutdown());
-    // Let the handlers go once the shutdown has stopped the claims.
-    tokio::task::yield_now().await;
+    // The shutdown's first poll stops the claims; the handlers are let go only after it, so
+    // each of them finishes during the shutdown and no further claim starts. (Spawned and let
+    // go at once, a loaded machine could run the handlers first: their rows were acked and
+    // claims went on before the shutdown began, and the report rightly left them out.)
+    let mut shutdown = Box::pin(sub.shutdown());
+    std::future::poll_fn(|cx| {
+        let _ = shutdown.as_mut().poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await;
+    let shutdown = tokio::spawn(shutdown);
     stopping.notify_waiters();
     let mut releases = 0;
     while !shutdown.is_finished() {
