@@ -875,6 +875,11 @@ mod tests {
         }
     }
 
+    /// A claim that began and returned at these times.
+    fn claim(began: Duration, returned: Duration) -> Option<Claim> {
+        Some(Claim { began, returned })
+    }
+
     fn history(records: Vec<Record>) -> History {
         let h = History::new(&crate::unique_name("unit"));
         *h.records.lock().unwrap() = records;
@@ -1161,10 +1166,7 @@ mod tests {
         // it at the same attempt (row lock: the kill rolled broker 0's claim back) and acks it.
         let run = |claimed: u64| {
             let mut mine = rec(1, 1, 25, 35, Some(Recorded::Ack));
-            mine.claim = Some(Claim {
-                began: Duration::from_millis(claimed),
-                returned: Duration::from_millis(24),
-            });
+            mine.claim = claim(Duration::from_millis(claimed), Duration::from_millis(24));
             let mut other = rec(1, 1, 27, 45, Some(Recorded::Ack));
             other.broker = 1;
             let h = history(vec![mine, other]);
@@ -1216,16 +1218,13 @@ mod tests {
         // `returned`, ran the row from 21 ms, at the same attempt.
         let run = |returned: u64| {
             let mut mine = rec(1, 1, 21, 30, Some(Recorded::Ack));
-            mine.claim = Some(Claim {
-                began: Duration::from_millis(returned - 1),
-                returned: Duration::from_millis(returned),
-            });
+            mine.claim = claim(
+                Duration::from_millis(returned - 1),
+                Duration::from_millis(returned),
+            );
             let mut late = rec(1, 1, 22, 25, Some(Recorded::Ack));
             late.broker = 1;
-            late.claim = Some(Claim {
-                began: Duration::from_millis(10),
-                returned: Duration::from_millis(11),
-            });
+            late.claim = claim(Duration::from_millis(10), Duration::from_millis(11));
             let h = history(vec![mine, late]);
             settled(&h, 1, 1, 31);
             h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(23));
@@ -1253,15 +1252,9 @@ mod tests {
             });
             let mut late = rec(1, 1, 22, 22, Some(Recorded::Panic));
             late.broker = 1;
-            late.claim = Some(Claim {
-                began: Duration::from_millis(late_began),
-                returned: Duration::from_millis(22),
-            });
+            late.claim = claim(Duration::from_millis(late_began), Duration::from_millis(22));
             let mut again = rec(1, 2, 30, 31, Some(Recorded::Ack));
-            again.claim = Some(Claim {
-                began: Duration::from_millis(29),
-                returned: Duration::from_millis(30),
-            });
+            again.claim = claim(Duration::from_millis(29), Duration::from_millis(30));
             let h = history(vec![mine, late, again]);
             settled(&h, 1, 1, mine_took);
             settled(&h, 1, 2, 31);
@@ -1281,16 +1274,10 @@ mod tests {
         // retry, whatever its start: broker 0's claim (12-30 ms, through the kill of its
         // connections at 10-13 ms) read attempt 2, after broker 1 ran attempt 1 (a retry).
         let mut slow = rec(1, 2, 30, 31, Some(Recorded::Ack));
-        slow.claim = Some(Claim {
-            began: Duration::from_millis(12),
-            returned: Duration::from_millis(30),
-        });
+        slow.claim = claim(Duration::from_millis(12), Duration::from_millis(30));
         let mut first = rec(1, 1, 20, 20, Some(Recorded::Retry));
         first.broker = 1;
-        first.claim = Some(Claim {
-            began: Duration::from_millis(13),
-            returned: Duration::from_millis(20),
-        });
+        first.claim = claim(Duration::from_millis(13), Duration::from_millis(20));
         let h = history(vec![first, slow]);
         settled(&h, 1, 1, 20);
         settled(&h, 1, 2, 31);
@@ -1311,15 +1298,9 @@ mod tests {
         child.end = None;
         let mut late = rec(1, 1, 40, 41, Some(Recorded::RetryAfter));
         late.broker = 1;
-        late.claim = Some(Claim {
-            began: Duration::from_millis(25),
-            returned: Duration::from_millis(40),
-        });
+        late.claim = claim(Duration::from_millis(25), Duration::from_millis(40));
         let mut last = rec(1, 2, 50, 51, Some(Recorded::Ack));
-        last.claim = Some(Claim {
-            began: Duration::from_millis(49),
-            returned: Duration::from_millis(50),
-        });
+        last.claim = claim(Duration::from_millis(49), Duration::from_millis(50));
         let h = history(vec![child, late, last]);
         settled(&h, 1, 1, 41);
         settled(&h, 1, 2, 51);
@@ -1337,24 +1318,15 @@ mod tests {
         let run = |acked: u64| {
             let mut first = rec(1, 1, 5, 8, Some(Recorded::Retry));
             first.broker = 1;
-            first.claim = Some(Claim {
-                began: Duration::from_millis(4),
-                returned: Duration::from_millis(5),
-            });
+            first.claim = claim(Duration::from_millis(4), Duration::from_millis(5));
             let mut late = rec(1, 2, 21, 25, Some(Recorded::Error));
             late.broker = 1;
-            late.claim = Some(Claim {
-                began: Duration::from_millis(15),
-                returned: Duration::from_millis(21),
-            });
+            late.claim = claim(Duration::from_millis(15), Duration::from_millis(21));
             let mut child = rec(1, 3, 20, acked, Some(Recorded::Ack));
             child.broker = 100;
             let mut next = rec(2, 1, 40, 41, Some(Recorded::Ack));
             next.key = Some("k2".into());
-            next.claim = Some(Claim {
-                began: Duration::from_millis(39),
-                returned: Duration::from_millis(40),
-            });
+            next.claim = claim(Duration::from_millis(39), Duration::from_millis(40));
             let h = history(vec![first, late, child, next]);
             settled(&h, 1, 3, acked);
             settled(&h, 2, 1, 41);
@@ -1378,16 +1350,10 @@ mod tests {
         // claim (29.5-31 ms) took the row again, at the same attempt, and both acked.
         let mut missed = rec(1, 1, 29, 40, Some(Recorded::Ack));
         missed.broker = 1;
-        missed.claim = Some(Claim {
-            began: Duration::from_millis(10),
-            returned: Duration::from_millis(29),
-        });
+        missed.claim = claim(Duration::from_millis(10), Duration::from_millis(29));
         let mut again = rec(1, 1, 31, 39, Some(Recorded::Ack));
         again.broker = 1;
-        again.claim = Some(Claim {
-            began: Duration::from_micros(29_500),
-            returned: Duration::from_millis(31),
-        });
+        again.claim = claim(Duration::from_micros(29_500), Duration::from_millis(31));
         let h = history(vec![again]);
         settled(&h, 1, 1, 39);
         h.connections_killed(1, Duration::from_millis(20), Duration::from_millis(30));
