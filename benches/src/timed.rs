@@ -432,7 +432,7 @@ impl<B: Backend> Backend for Timed<B> {
         &self,
         table: &Arc<TableDescription>,
         wake: Arc<tokio::sync::Notify>,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    ) -> Result<Option<broker_core::driver::Listening>> {
         if self.listen {
             self.inner.listen(table, wake).await
         } else {

@@ -87,8 +87,8 @@ pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Value};
 pub use subscription::{
-    BoxError, BoxFuture, HandlerResult, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
-    SubscribeOptions, Subscription,
+    BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerResult, Health, IntoOutcome,
+    MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
@@ -100,11 +100,11 @@ pub use table::{
 /// What backends implement lives in [`driver`] and is not part of it.
 pub mod api {
     pub use crate::{
-        BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter,
-        Delivery, DoctorOptions, DoctorReport, HandlerResult, Health, IntoOutcome, IsolationLevel,
-        Job, JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob,
-        Outcome, Payload, Queue, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
-        ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
-        TableDescription, TxGuard, Value,
+        BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS,
+        DEFAULT_POLL_COOLDOWN, DeadLetter, Delivery, DoctorOptions, DoctorReport, HandlerResult,
+        Health, IntoOutcome, IsolationLevel, Job, JobTransaction, KeyPart, KeyTemplate,
+        MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Payload, Queue, Result, RowState,
+        RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status,
+        SubscribeOptions, Subscription, TableBuilder, TableDescription, TxGuard, Value,
     };
 }

@@ -36,6 +36,10 @@ pub type HandlerResult = Result<Outcome, BoxError>;
 /// most 20 times a second.
 pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(50);
 
+/// The default [`SubscribeOptions::poll_cooldown`]: a busy subscription that drained its table
+/// looks again after 25 ms.
+pub const DEFAULT_POLL_COOLDOWN: Duration = Duration::from_millis(25);
+
 /// How a subscription runs.
 #[derive(Debug, Clone)]
 #[must_use]
@@ -44,6 +48,7 @@ pub struct SubscribeOptions {
     concurrency: usize,
     batch_size: Option<usize>,
     poll_interval: Duration,
+    poll_cooldown: Duration,
     shutdown_timeout: Duration,
     error_backoff: Duration,
     error_backoff_max: Duration,
@@ -57,6 +62,7 @@ impl Default for SubscribeOptions {
             concurrency: 1,
             batch_size: None,
             poll_interval: Duration::from_secs(1),
+            poll_cooldown: DEFAULT_POLL_COOLDOWN,
             shutdown_timeout: Duration::from_secs(30),
             error_backoff: Duration::from_secs(1),
             error_backoff_max: Duration::from_secs(300),
@@ -119,6 +125,17 @@ impl SubscribeOptions {
     /// would then keep a core and the database busy with empty claims).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
+        self
+    }
+    /// How soon a subscription looks again after it drained the table, while its claims keep
+    /// finding rows (default [`DEFAULT_POLL_COOLDOWN`]). Rows that arrive without a wake-up
+    /// (inserted by plain SQL, a trigger or another service; on MySQL, MariaDB and SQLite also
+    /// those another process publishes) are then found within about this long instead of at
+    /// the next poll. The wait grows with the time since a claim last found rows, up to the
+    /// poll interval, so a subscription whose table stays empty looks once per poll interval,
+    /// as before. Zero is refused at subscribe.
+    pub fn poll_cooldown(mut self, cooldown: Duration) -> Self {
+        self.poll_cooldown = cooldown;
         self
     }
     /// How long shutdown waits for handlers in work before it drops them (their rows are
@@ -186,6 +203,14 @@ impl SubscribeOptions {
                 format!("{:?}", self.poll_interval),
                 "50ms or more",
                 "an idle subscription would keep a core and the database busy with empty claims",
+            );
+        }
+        if self.poll_cooldown.is_zero() {
+            return refuse(
+                "poll_cooldown",
+                "0s".into(),
+                "1ms or more",
+                "a subscription would claim in a loop while rows trickle in",
             );
         }
         if self.error_backoff > self.error_backoff_max {
@@ -479,6 +504,21 @@ fn claim_backoff(poll: Duration, failures: u32) -> Duration {
         .min(CLAIM_BACKOFF_MAX.max(poll))
 }
 
+/// How long a drained subscription waits before it looks again when nothing wakes it: the time
+/// since a claim last found rows, at least the poll cooldown and at most the poll interval. A
+/// table that rows keep arriving in is so claimed from every cooldown (rows inserted without a
+/// wake-up wait about that long), and each look that finds nothing about doubles the wait, so
+/// a subscription whose table stays empty is back at the poll interval within a few looks.
+fn drained_wait(options: &SubscribeOptions, last_found: Option<tokio::time::Instant>) -> Duration {
+    let Some(found) = last_found else {
+        return options.poll_interval;
+    };
+    found
+        .elapsed()
+        .max(options.poll_cooldown)
+        .min(options.poll_interval)
+}
+
 /// The longest wait between failing claims.
 const CLAIM_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
@@ -486,6 +526,8 @@ const CLAIM_BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// claimed rows beyond the first (the task runs the first itself) for the loop to start.
 struct ClaimReport<B: Backend, T> {
     next: Next,
+    /// Whether the claim found rows.
+    found: bool,
     extras: Vec<(Delivery<B, T>, OwnedSemaphorePermit)>,
     /// The loop's [`ClaimLoop::seq`] when the claim started.
     seq: u64,
@@ -512,6 +554,7 @@ impl<B: Backend, T> Drop for Reporter<B, T> {
             tracing::error!("a claim task ended without a report (it panicked or was cancelled)");
             let _ = tx.send(ClaimReport {
                 next: Next::Drained,
+                found: false,
                 extras: Vec::new(),
                 seq: self.seq,
             });
@@ -649,6 +692,9 @@ struct ClaimLoop<B: Backend, T> {
     /// The count of what set `state`: a claim's report changes it only if the claim started
     /// after that, or found rows (see [`ClaimLoop::on_report`]).
     state_seq: u64,
+    /// When a claim last found rows: the wait after a drained claim grows with the time since
+    /// (see [`drained_wait`]). `None` until a claim finds rows.
+    last_found: Option<tokio::time::Instant>,
     stop: watch::Receiver<bool>,
     broker_stop: watch::Receiver<bool>,
 }
@@ -699,15 +745,13 @@ where
         state: Next::Probe,
         seq: 0,
         state_seq: 0,
+        last_found: None,
         broker_stop: shared.broker.shutdown.subscribe(),
         stop,
     };
     claim_loop.run().await;
     let report = claim_loop.shut_down().await;
-    if let Some(l) = listener {
-        l.abort();
-        let _ = l.await;
-    }
+    drop(listener);
     claim_loop.engine.queue.release_kept();
     shared.broker.drain_cleanups().await;
     tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
@@ -753,7 +797,7 @@ where
         let wants_permits = !drained && !full;
         let options = &self.engine.options;
         let wait = match self.engine.claim_errors_in_a_row() {
-            0 => options.poll_interval,
+            0 => drained_wait(options, self.last_found),
             failing => claim_backoff(options.poll_interval, failing),
         };
         // Prefetching claims wait until a whole batch fits; the others start as soon as one
@@ -792,6 +836,9 @@ where
     /// strategy loop's rate).
     fn on_report(&mut self, report: ClaimReport<B, T>) {
         self.claims -= 1;
+        if report.found {
+            self.last_found = Some(tokio::time::Instant::now());
+        }
         let seq = report.seq;
         let next = self.engine.start_extras(report, &mut self.tasks);
         if seq >= self.state_seq {
@@ -829,9 +876,11 @@ where
                     delivery::claim::<B, T>(&e.queue, permits.num_permits(), Some(&e.options.name))
                         .await;
                 let (next, mut rows) = e.sort_claim(result, permits, freed);
-                let first = (!rows.is_empty()).then(|| rows.remove(0));
+                let found = !rows.is_empty();
+                let first = found.then(|| rows.remove(0));
                 reporter.send(ClaimReport {
                     next,
+                    found,
                     extras: rows,
                     seq,
                 });
@@ -1131,5 +1180,44 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
             Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
             Err(panic) => Poll::Ready(Err(panic)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drained_wait_grows_with_the_time_since_a_claim_found_rows() {
+        let options = SubscribeOptions::new()
+            .poll_interval(Duration::from_secs(1))
+            .poll_cooldown(Duration::from_millis(25));
+        assert_eq!(
+            drained_wait(&options, None),
+            Duration::from_secs(1),
+            "a subscription that never found rows waits the poll interval"
+        );
+        let found = tokio::time::Instant::now();
+        assert_eq!(
+            drained_wait(&options, Some(found)),
+            Duration::from_millis(25)
+        );
+        tokio::time::advance(Duration::from_millis(300)).await;
+        assert_eq!(
+            drained_wait(&options, Some(found)),
+            Duration::from_millis(300)
+        );
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(drained_wait(&options, Some(found)), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn a_zero_poll_cooldown_is_refused() {
+        let e = SubscribeOptions::new()
+            .poll_cooldown(Duration::ZERO)
+            .check("jobs")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("poll_cooldown"), "{e}");
     }
 }

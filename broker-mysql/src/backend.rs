@@ -481,7 +481,7 @@ impl Backend for MySqlBackend {
         &self,
         _table: &Arc<TableDescription>,
         _wake: Arc<tokio::sync::Notify>,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    ) -> Result<Option<broker_core::driver::Listening>> {
         // MySQL has no LISTEN/NOTIFY: other processes' rows are found by the poll.
         Ok(None)
     }

@@ -12,6 +12,7 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, 
 
 use crate::advisory::PgAdvisory;
 use crate::lease::PgLease;
+use crate::listener::Listener;
 use crate::row_lock::PgRowLock;
 use crate::sql::{ident, ms, on_pool, ts};
 use crate::{notify, schema, version};
@@ -25,6 +26,8 @@ pub type PgBroker = Broker<PgBackend>;
 pub struct PgBackend {
     pool: PgPool,
     notifier: Arc<notify::Notifier>,
+    /// The one `LISTEN` connection every subscription of this backend shares.
+    listener: Arc<Listener>,
     /// Whether the pool reaches the server through a transaction-mode pooler: set by
     /// [`behind_transaction_pooler`](Self::behind_transaction_pooler), or found out once, at the
     /// first prepare.
@@ -33,12 +36,15 @@ pub struct PgBackend {
 
 impl PgBackend {
     /// A backend on an existing pool. Size the pool above the concurrency of its subscriptions:
-    /// row lock and advisory deliveries each hold a connection while in work, and each
-    /// subscription listens on one.
+    /// row lock and advisory deliveries each hold a connection while in work. Wake-ups from
+    /// other processes arrive on one `LISTEN` connection that every subscription of this backend
+    /// shares; it is opened with the pool's connect options but outside the pool, so it takes
+    /// none of the pool's connections (it is one more server connection per backend).
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
             notifier: Arc::default(),
+            listener: Arc::new(Listener::new()),
             pooled: Arc::default(),
         }
     }
@@ -472,11 +478,15 @@ impl Backend for PgBackend {
         &self,
         table: &Arc<TableDescription>,
         wake: Arc<tokio::sync::Notify>,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    ) -> Result<Option<broker_core::driver::Listening>> {
         if !self.prepared() {
             // Behind a transaction-mode pooler LISTEN would be lost without a word: poll.
             return Ok(None);
         }
-        notify::listen(&self.pool, table, wake).await
+        let channel = notify::channel(table.name());
+        self.listener
+            .register(&self.pool, table.name(), channel, wake)
+            .await
+            .map(Some)
     }
 }

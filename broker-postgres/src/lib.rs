@@ -121,6 +121,7 @@ mod backend;
 mod doctor;
 mod fifo;
 mod lease;
+mod listener;
 mod notify;
 mod row_lock;
 mod schema;

@@ -1,5 +1,5 @@
-//! Cross-process wake-ups with `LISTEN/NOTIFY`: each subscription listens on a connection of the
-//! pool and wakes its claim loop per notification; publishes notify, coalesced per table.
+//! Cross-process wake-ups with `LISTEN/NOTIFY`: publishes notify, coalesced per table; the
+//! subscriptions of a backend listen on one shared connection (see `listener`).
 //!
 //! # Why publishes do not notify one by one
 //! Every transaction that issued a `NOTIFY` takes one global lock at commit, so a notification in
@@ -18,7 +18,7 @@
 //!   [`Queue::wake`](broker_core::Queue::wake)). This is the price of not serialising commits.
 //!
 //! Notifications can be lost (a dropped connection, a full queue): the poll stays the
-//! correctness path, and a listener that reconnects wakes its subscription once to cover the gap.
+//! correctness path, and a listener that reconnects wakes its subscriptions once to cover the gap.
 //! Rows inserted by the user's own SQL notify nobody; the poll finds them.
 
 use std::collections::HashMap;
@@ -26,11 +26,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use broker_core::{Result, SqlxBrokerError, TableDescription};
+use broker_core::Result;
 use sha2::{Digest, Sha256};
-use sqlx::postgres::PgListener;
-use sqlx::{Acquire, PgConnection, PgPool};
-use tokio::sync::Notify;
+use sqlx::{PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 /// The channel of a table: `sqlx_broker_` and 16 hex digits of the SHA-256 of its name. Stable
@@ -219,72 +217,6 @@ const POOLER_PROBE_ROUNDS: usize = 6;
 
 /// What to say when a pooler breaks session state.
 pub(crate) const POOLER_HINT: &str = "two statements on one connection reached different server sessions, as behind a transaction-mode pooler (PgBouncer pool_mode = transaction); advisory locks and LISTEN live in the session, so connect directly or through a session-mode pooler (row lock and lease mode work through any pooler)";
-
-async fn listener(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(channel).await?;
-    Ok(listener)
-}
-
-/// Listens on the table's channel and starts the task that wakes `wake` per notification. The
-/// first `LISTEN` runs before this returns, so a publish after it is heard.
-pub(crate) async fn listen(
-    pool: &PgPool,
-    table: &TableDescription,
-    wake: Arc<Notify>,
-) -> Result<Option<JoinHandle<()>>> {
-    let channel = channel(table.name());
-    let err = |e| SqlxBrokerError::statement(table.name(), "listen", e);
-    let mut first = listener(pool, &channel).await.map_err(err)?;
-    let conn = (&mut first).acquire().await.map_err(err)?;
-    if !session_is_pinned(conn).await.map_err(err)? {
-        return Err(SqlxBrokerError::Unsupported {
-            table: table.name().to_owned(),
-            message: format!("cross-process wake-ups are off: {POOLER_HINT}"),
-        });
-    }
-    let pool = pool.clone();
-    let name = table.name().to_owned();
-    Ok(Some(tokio::spawn(async move {
-        let mut current = Some(first);
-        let mut backoff = Duration::from_millis(250);
-        loop {
-            let Some(l) = current.as_mut() else {
-                if pool.is_closed() {
-                    return;
-                }
-                match listener(&pool, &channel).await {
-                    Ok(l) => {
-                        current = Some(l);
-                        backoff = Duration::from_millis(250);
-                        // Whatever was published while nobody listened is found by this wake.
-                        wake.notify_one();
-                    }
-                    Err(sqlx::Error::PoolClosed) => return,
-                    Err(e) => {
-                        tracing::warn!(table = name, error = %e, "LISTEN failed; trying again (polling meanwhile)");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(30));
-                    }
-                }
-                continue;
-            };
-            match l.try_recv().await {
-                Ok(Some(_)) => wake.notify_one(),
-                // The connection dropped and the listener reconnected: notifications in between
-                // are lost, so look once.
-                Ok(None) => wake.notify_one(),
-                Err(sqlx::Error::PoolClosed) => return,
-                Err(e) => {
-                    tracing::warn!(table = name, error = %e, "LISTEN connection failed; reconnecting (polling meanwhile)");
-                    current = None;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
-                }
-            }
-        }
-    })))
-}
 
 #[cfg(test)]
 mod tests {

@@ -204,3 +204,233 @@ async fn elsewhere_pool(fx: &Fixture<Pg>) -> sqlx::PgPool {
         .await
         .expect("connect")
 }
+
+/// A broker on `url` whose pool has `max` connections and whose sessions carry an application
+/// name of their own; returns it with that name.
+async fn broker_with_pool(url: &str, max: u32) -> (broker_postgres::PgBroker, String) {
+    use std::str::FromStr;
+    let app = broker_testkit::unique_name("app");
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)
+        .expect("a PostgreSQL URL")
+        .application_name(&app);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect_with(options)
+        .await
+        .expect("connect");
+    (
+        broker_core::Broker::new(broker_postgres::PgBackend::new(pool)),
+        app,
+    )
+}
+
+/// The server sessions of an application name, and how many of them last ran a `LISTEN`.
+async fn sessions_of(app: &str) -> (i64, i64) {
+    let mut admin = common::admin().await;
+    let counts = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE query LIKE 'LISTEN%') \
+         FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(app)
+    .fetch_one(&mut admin)
+    .await
+    .expect("probe pg_stat_activity");
+    let _ = sqlx::Connection::close(admin).await;
+    counts
+}
+
+/// Issue #32: fifty queue tables with a subscription each on a pool of ten. Every subscription
+/// used to keep a pool connection for its `LISTEN`, so the subscriptions held the whole pool
+/// and every publish timed out. Now one connection outside the pool listens for all of them:
+/// at idle at most two pool connections are out, rows another process publishes wake each
+/// subscription (their poll is an hour), and publishes and claims through the pool work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_subscriptions_on_a_pool_of_ten_share_one_listening_connection() {
+    const QUEUES: usize = 50;
+    const ROWS: usize = 20;
+    let url = common::create_database().await;
+    let (broker, app) = broker_with_pool(&url, 10).await;
+    let (publisher, _) = broker_with_pool(&url, 4).await;
+    let mut tables = Vec::new();
+    let mut subs = Vec::new();
+    let mut queues = Vec::new();
+    let mut theirs = Vec::new();
+    for i in 0..QUEUES {
+        let name = broker_testkit::unique_name(&format!("q{i}"));
+        let table = broker_testkit::describe(&name, ClaimMode::Lease)
+            .build()
+            .expect("a lease table");
+        broker.create_tables(&table).await.expect("create");
+        let q = broker
+            .queue::<broker_testkit::Job>(table.clone())
+            .await
+            .expect("queue");
+        subs.push(
+            q.subscribe(deaf_to_polls(), |_job| async { Outcome::Ack })
+                .expect("subscribe"),
+        );
+        theirs.push(
+            publisher
+                .queue::<broker_testkit::Job>(table.clone())
+                .await
+                .expect("queue"),
+        );
+        queues.push(q);
+        tables.push(table);
+    }
+    let pool = broker.pool().clone();
+    wait_until(
+        "at most two pool connections out at idle",
+        Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                let out = usize::try_from(pool.size()).unwrap_or(usize::MAX) - pool.num_idle();
+                out <= 2
+            }
+        },
+    )
+    .await;
+    let (sessions, listening) = sessions_of(&app).await;
+    assert_eq!(listening, 1, "one session listens for every table");
+    assert!(
+        sessions <= i64::from(pool.size()) + 1,
+        "{sessions} sessions for a pool of {} and one listener",
+        pool.size()
+    );
+    // Another process publishes: only a notification can wake a subscription within the wait.
+    for q in &theirs {
+        q.publish(broker_core::NewJob::new("elsewhere".to_owned()))
+            .await
+            .expect("publish elsewhere");
+    }
+    wait_until(
+        "every subscription woken by the other process's publish",
+        Duration::from_secs(30),
+        || {
+            let queues = queues.clone();
+            async move { queues.iter().all(|q| q.metrics().acked == 1) }
+        },
+    )
+    .await;
+    // Publishes through the busy broker's own pool, and their claims.
+    for q in &queues {
+        let jobs: Vec<_> = (0..ROWS)
+            .map(|i| broker_core::NewJob::new(format!("row {i}")))
+            .collect();
+        q.publish_batch(&jobs)
+            .await
+            .expect("publish on the shared pool");
+    }
+    wait_until("every queue drained", Duration::from_secs(60), || {
+        let queues = queues.clone();
+        async move { queues.iter().all(|q| q.metrics().acked == 1 + ROWS as u64) }
+    })
+    .await;
+    for s in subs {
+        s.shutdown().await;
+    }
+    for t in &tables {
+        broker.drop_tables(t).await.expect("drop");
+    }
+    publisher.close().await;
+    broker.close().await;
+    broker.pool().close().await;
+    common::drop_database(&url).await;
+}
+
+/// Issue #32: when the listening connection is killed, it connects again, listens on every
+/// table again, and wakes each subscription once: rows inserted while nobody would have heard
+/// of them (by plain SQL, which notifies nobody) are found by that wake-up, although the
+/// subscriptions' poll is an hour away; later publishes from another process wake them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_listening_connection_listens_again_and_wakes_every_subscription_once() {
+    let url = common::create_database().await;
+    let (broker, app) = broker_with_pool(&url, 10).await;
+    let (publisher, _) = broker_with_pool(&url, 4).await;
+    let mut tables = Vec::new();
+    let mut subs = Vec::new();
+    let mut queues = Vec::new();
+    for i in 0..3 {
+        let name = broker_testkit::unique_name(&format!("k{i}"));
+        let table = broker_testkit::describe(&name, ClaimMode::Lease)
+            .build()
+            .expect("a lease table");
+        broker.create_tables(&table).await.expect("create");
+        let q = broker
+            .queue::<broker_testkit::Job>(table.clone())
+            .await
+            .expect("queue");
+        subs.push(
+            q.subscribe(deaf_to_polls(), |_job| async { Outcome::Ack })
+                .expect("subscribe"),
+        );
+        queues.push(q);
+        tables.push(table);
+    }
+    // Let every subscription find its table empty and wait for its hour-long poll.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for t in &tables {
+        let sql = format!("INSERT INTO \"{}\" (payload) VALUES ('by hand')", t.name());
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(publisher.pool())
+            .await
+            .expect("insert by hand");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        queues.iter().all(|q| q.metrics().claimed == 0),
+        "nothing wakes a subscription for a row inserted by hand before the kill"
+    );
+    let mut admin = common::admin().await;
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(&app)
+    .fetch_all(&mut admin)
+    .await
+    .expect("terminate the listening session");
+    let _ = sqlx::Connection::close(admin).await;
+    assert_eq!(killed, [true], "one listening session, terminated");
+    wait_until(
+        "every subscription woken once after the listener came back",
+        Duration::from_secs(30),
+        || {
+            let queues = queues.clone();
+            async move { queues.iter().all(|q| q.metrics().acked == 1) }
+        },
+    )
+    .await;
+    for t in &tables {
+        publisher
+            .queue::<broker_testkit::Job>(t.clone())
+            .await
+            .expect("queue")
+            .publish(broker_core::NewJob::new("after".to_owned()))
+            .await
+            .expect("publish elsewhere");
+    }
+    wait_until(
+        "every subscription woken by a publish after the reconnect",
+        Duration::from_secs(30),
+        || {
+            let queues = queues.clone();
+            async move { queues.iter().all(|q| q.metrics().acked == 2) }
+        },
+    )
+    .await;
+    let (_, listening) = sessions_of(&app).await;
+    assert_eq!(listening, 1, "one session listens again");
+    for s in subs {
+        s.shutdown().await;
+    }
+    for t in &tables {
+        broker.drop_tables(t).await.expect("drop");
+    }
+    publisher.close().await;
+    broker.close().await;
+    broker.pool().close().await;
+    common::drop_database(&url).await;
+}

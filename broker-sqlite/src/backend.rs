@@ -320,7 +320,7 @@ impl Backend for SqliteBackend {
         &self,
         _table: &Arc<TableDescription>,
         _wake: Arc<tokio::sync::Notify>,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>> {
+    ) -> Result<Option<broker_core::driver::Listening>> {
         // One process per file is the design; wake-ups within it come from publish.
         Ok(None)
     }

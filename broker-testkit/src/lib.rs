@@ -118,6 +118,7 @@ macro_rules! conformance_suite {
                 shutdown_leaves_no_row_claimed_and_no_key_held,
                 shutdown_deadline_drops_handlers_and_releases_rows,
                 a_stopped_subscription_gives_its_kept_connections_back_at_once,
+                rows_inserted_by_plain_sql_into_a_busy_queue_run_without_waiting_for_the_poll,
                 a_handler_panic_is_a_retry,
                 a_handler_error_is_a_retry,
                 a_row_that_does_not_decode_is_retried_not_lost,

@@ -566,10 +566,35 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     }
 
     /// Starts delivering wake-ups from other processes for `table` into `wake`, where the
-    /// database can (see [`Capabilities::cross_process_wakeups`]). The poll stays the fallback.
+    /// database can (see [`Capabilities::cross_process_wakeups`]), until the returned
+    /// [`Listening`] drops. The poll stays the fallback. A backend shares what it holds for
+    /// this (a connection) between every table it listens for: a subscription must cost
+    /// nothing of its own at idle.
     fn listen(
         &self,
         table: &Arc<TableDescription>,
         wake: Arc<tokio::sync::Notify>,
-    ) -> impl Future<Output = Result<Option<tokio::task::JoinHandle<()>>>> + Send;
+    ) -> impl Future<Output = Result<Option<Listening>>> + Send;
+}
+
+/// A registration for wake-ups from other processes (see [`Backend::listen`]): dropping it
+/// ends the registration (the backend stops listening on the table's behalf once no
+/// registration needs it).
+pub struct Listening {
+    _guard: Box<dyn Send + Sync>,
+}
+
+impl Listening {
+    /// A registration that `guard` ends when it drops.
+    pub fn new(guard: impl Send + Sync + 'static) -> Self {
+        Self {
+            _guard: Box::new(guard),
+        }
+    }
+}
+
+impl std::fmt::Debug for Listening {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listening").finish_non_exhaustive()
+    }
 }

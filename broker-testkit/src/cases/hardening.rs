@@ -333,6 +333,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
         (o().max_claims_in_flight(0), "max_claims_in_flight"),
         (o().poll_interval(Duration::ZERO), "poll_interval"),
         (o().poll_interval(Duration::from_millis(1)), "poll_interval"),
+        (o().poll_cooldown(Duration::ZERO), "poll_cooldown"),
         (
             o().error_backoff(Duration::from_secs(2), Duration::from_secs(1)),
             "error_backoff",
@@ -356,6 +357,7 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
         .subscribe(
             o().concurrency(1)
                 .poll_interval(Duration::MAX)
+                .poll_cooldown(Duration::MAX)
                 .shutdown_timeout(Duration::MAX)
                 .error_backoff(Duration::MAX, Duration::MAX),
             |_job| async { Outcome::Ack },

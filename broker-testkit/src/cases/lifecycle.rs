@@ -258,3 +258,63 @@ pub async fn a_publish_wakes_an_idle_subscription<D: TestDb>() {
     sub.shutdown().await;
     fx.cleanup().await;
 }
+
+/// Issue #32: rows that arrive without a wake-up (inserted by plain SQL, as another service, a
+/// trigger or a migration would) while a subscription drains its table are found at the pace
+/// they arrive, not at the next poll: the subscription's poll is an hour, one row published
+/// through the queue wakes it, and then forty rows inserted by hand one after another must all
+/// run within the bounded wait. Without the poll cooldown the subscription sleeps the hour after
+/// its first drained claim.
+pub async fn rows_inserted_by_plain_sql_into_a_busy_queue_run_without_waiting_for_the_poll<
+    D: TestDb,
+>(
+    mode: ClaimMode,
+) {
+    const BY_HAND: usize = 40;
+    let fx = Fixture::<D>::new(mode, |b| b).await;
+    let q = fx.queue().await;
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(2)
+                .poll_interval(Duration::from_secs(3600)),
+            |_job| async move { Outcome::Ack },
+        )
+        .expect("subscribe");
+    fx.publish(&q, 1).await;
+    wait_until("the published row's ack", Duration::from_secs(10), || {
+        let q = q.clone();
+        async move { q.metrics().acked == 1 }
+    })
+    .await;
+    let key = if mode == ClaimMode::Advisory {
+        format!(", {}", D::quote("k"))
+    } else {
+        String::new()
+    };
+    for i in 0..BY_HAND {
+        let value = if mode == ClaimMode::Advisory {
+            format!(", 'k{i}'")
+        } else {
+            String::new()
+        };
+        let sql = format!(
+            "INSERT INTO {} ({}{key}) VALUES ('by-hand-{i}'{value})",
+            D::quote(fx.table.name()),
+            D::quote("payload"),
+        );
+        D::execute(&fx.broker, &sql).await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    wait_until(
+        "every row inserted by hand to run (the poll is an hour away)",
+        Duration::from_secs(30),
+        || {
+            let q = q.clone();
+            async move { q.metrics().acked == 1 + BY_HAND as u64 }
+        },
+    )
+    .await;
+    sub.shutdown().await;
+    fx.cleanup().await;
+}
