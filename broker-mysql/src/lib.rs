@@ -43,6 +43,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs, one per mode, are in `examples/`: `mysql_row_lock`, `mysql_lease` (FIFO
+//! groups, a typed row with a JSON payload) and `mysql_advisory`, e.g.
+//! `cargo run -p broker-mysql --example mysql_lease`. The guide in the repository's `docs/`
+//! covers every builder call, outcomes, typed rows and JSON, operating and deploying.
+//!
 //! # Things to know
 //!
 //! - **READ COMMITTED.** Claim transactions open at READ COMMITTED unless the description sets

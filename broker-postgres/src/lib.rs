@@ -60,6 +60,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs, one per mode, are in `examples/`: `postgres_row_lock`,
+//! `postgres_lease` (a typed row with a JSONB payload) and `postgres_advisory`, e.g.
+//! `cargo run -p broker-postgres --example postgres_lease`. The guide in the repository's
+//! `docs/` covers every builder call, outcomes, typed rows and JSON, operating and deploying.
+//!
 //! # Things to know
 //! - **Row lock holds a transaction, and a connection, per delivery in work.** An open
 //!   transaction pins the xmin horizon: while it runs, vacuum cannot remove rows that died after

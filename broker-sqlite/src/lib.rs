@@ -39,6 +39,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs are in `examples/`: `quickstart`, `sqlite_lease` (a typed row with a JSON
+//! payload) and `sqlite_advisory`, e.g. `cargo run -p broker-sqlite --example sqlite_lease`.
+//! The guide in the repository's `docs/` covers every builder call, outcomes, typed rows and
+//! JSON, operating and deploying.
+//!
 //! # Things to know
 //! - **Times** are INTEGER unix milliseconds (the DDL helper creates them so).
 //! - **One writer at a time** is SQLite's design: connections use WAL and a 30 s busy timeout,
