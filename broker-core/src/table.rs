@@ -11,7 +11,7 @@ use crate::error::{Result, SqlxBrokerError};
 /// so a new variant must fail to compile in each backend rather than fall into a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ColumnType {
-    /// Text (`TEXT`; `VARCHAR(255)` on MySQL where the column is indexed).
+    /// Text (`TEXT`; on MySQL `LONGTEXT`, or `VARCHAR(255)` where an index reads the column).
     Text,
     /// A 64-bit integer.
     BigInt,

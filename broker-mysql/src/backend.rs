@@ -68,8 +68,9 @@ impl MySqlBackend {
     /// The pool must name a database (keys are named after it, see [`lock_name`](crate::lock_name)). Its
     /// connections should keep sqlx's default session time zone, UTC (`+00:00`): startup refuses
     /// a table with a `TIMESTAMP` time column on a pool whose sessions are not UTC (see the crate
-    /// docs). For row lock and advisory modes, give the pool at least `concurrency + 2`
-    /// connections per subscription: every delivery in work holds one.
+    /// docs). In row lock and advisory modes every delivery in work holds a connection, and a
+    /// subscription's concurrency above three quarters of the pool is lowered to that: give the
+    /// pool at least a third more connections than the subscriptions' concurrency.
     pub fn new(pool: MySqlPool) -> Self {
         Self {
             pool,

@@ -43,6 +43,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs, one per mode, are in `examples/`: `mysql_row_lock`, `mysql_lease` (FIFO
+//! groups, a typed row with a JSON payload) and `mysql_advisory`, e.g.
+//! `cargo run -p broker-mysql --example mysql_lease`. The guide in the repository's `docs/`
+//! covers every builder call, outcomes, typed rows and JSON, operating and deploying.
+//!
 //! # Things to know
 //!
 //! - **READ COMMITTED.** Claim transactions open at READ COMMITTED unless the description sets
@@ -62,14 +67,16 @@
 //!   InnoDB looks up the clustered row of every index entry it passes, including the deleted
 //!   ones purge has not removed yet. The dirty read only chooses candidates; it never decides
 //!   what a claim takes.
-//! - **Row lock mode holds a connection and a transaction per delivery in work.** Give the pool
-//!   `concurrency + 2` connections per subscription (advisory mode likewise: each held key is a
-//!   connection). Long transactions keep old row versions alive (the InnoDB history list grows
-//!   and purge falls behind): prefer lease mode for handlers that run minutes. A retry or dead
-//!   letter rolls back to a savepoint set right after the claim, undoing the handler's writes
-//!   through the [`JobTransaction`] of [`Queue::subscribe_with_transaction`] while the row stays
-//!   locked, then counts the attempt and commits. A killed connection rolls everything back: the
-//!   row is due again at once and no attempt is used.
+//! - **Row lock mode holds a connection and a transaction per delivery in work** (advisory
+//!   mode likewise: each held key is a connection). A subscription whose concurrency is above
+//!   three quarters of the pool is lowered to that, with a warning: give the pool at least a
+//!   third more connections than the concurrency of the subscriptions that share it. Long
+//!   transactions keep old row versions alive (the InnoDB history list grows and purge falls
+//!   behind): prefer lease mode for handlers that run minutes. A retry or dead letter rolls
+//!   back to a savepoint set when the handler first asks for the transaction, undoing the
+//!   handler's writes through the [`JobTransaction`] of [`Queue::subscribe_with_transaction`]
+//!   while the row stays locked, then counts the attempt and commits. A killed connection rolls
+//!   everything back: the row is due again at once and no attempt is used.
 //! - **Times** cross the wire as integers from the epoch and are computed in SQL with
 //!   `TIMESTAMPADD` / `TIMESTAMPDIFF` against `1970-01-01`, which is independent of the session
 //!   time zone for `DATETIME` columns and has no 2038 limit (`FROM_UNIXTIME` and

@@ -60,6 +60,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs, one per mode, are in `examples/`: `postgres_row_lock`,
+//! `postgres_lease` (a typed row with a JSONB payload) and `postgres_advisory`, e.g.
+//! `cargo run -p broker-postgres --example postgres_lease`. The guide in the repository's
+//! `docs/` covers every builder call, outcomes, typed rows and JSON, operating and deploying.
+//!
 //! # Things to know
 //! - **Row lock holds a transaction, and a connection, per delivery in work.** An open
 //!   transaction pins the xmin horizon: while it runs, vacuum cannot remove rows that died after
@@ -68,8 +73,8 @@
 //! - **Row lock writes commit with the ack.** A handler may write through
 //!   the [`JobTransaction`] of [`Queue::subscribe_with_transaction`] (or
 //!   [`Delivery::transaction`] on a claim by hand); a retry or dead letter rolls
-//!   those writes back (to a savepoint taken right after the claim) and keeps the row locked
-//!   while it counts the attempt.
+//!   those writes back (to a savepoint taken when the handler first asks for the transaction)
+//!   and keeps the row locked while it counts the attempt.
 //! - **Advisory mode and `LISTEN` need the session**: connect directly or through a
 //!   session-mode pooler. Behind a transaction-mode pooler (PgBouncer
 //!   `pool_mode = transaction`) a session advisory lock and the statements after it may reach
@@ -82,9 +87,11 @@
 //!   settlement is fenced on the attempt its take wrote: if the key's session died under the
 //!   handler and the row was claimed again, the settlement changes nothing and returns
 //!   [`SqlxBrokerError::ClaimLost`].
-//! - **Pool size**: [`PgBackend::connect`] opens up to 16 connections; with your own pool
-//!   ([`PgBackend::new`]) allow the subscriptions' concurrency (row lock and advisory hold one
-//!   connection per delivery in work), two claims, and one `LISTEN` connection per subscription.
+//! - **Pool size**: [`PgBackend::connect`] opens up to 16 connections. Row lock and advisory
+//!   hold one connection per delivery in work, and a subscription whose concurrency is above
+//!   three quarters of the pool is lowered to that (with a warning), so give the pool at least
+//!   a third more connections than the concurrency of the subscriptions that share it, and one
+//!   `LISTEN` connection per subscription.
 //! - **Lease reads the host's clock**: the host computes expiries (whole seconds) and due times,
 //!   and settlements compare them, so keep the hosts' clocks in sync (NTP).
 //! - **Times are `TIMESTAMPTZ`**; the host's unix milliseconds are converted in SQL, and the
@@ -113,8 +120,10 @@
 //!   [`classify`]) make a claim or a single-statement settlement run again a few times before
 //!   the error surfaces.
 //! - The table's `isolation` applies to row lock claim transactions.
-//! - A payload column of type `JSONB` takes `sqlx::types::Json<T>` (or `serde_json::Value`
-//!   with sqlx's `json` feature) as the published payload, not a `String`.
+//! - A payload column of type `JSONB` takes `sqlx::types::Json<T>` (or `serde_json::Value`)
+//!   as the published payload, not a `String`. Both need sqlx's `json` feature, which this
+//!   crate does not turn on: depend on `sqlx` (0.9) yourself with the `json` feature, and
+//!   `derive` for `#[derive(sqlx::FromRow)]` row types (see `docs/typed-rows.md`).
 
 mod advisory;
 mod backend;

@@ -39,6 +39,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Complete programs are in `examples/`: `quickstart`, `sqlite_lease` (a typed row with a JSON
+//! payload) and `sqlite_advisory`, e.g. `cargo run -p broker-sqlite --example sqlite_lease`.
+//! The guide in the repository's `docs/` covers every builder call, outcomes, typed rows and
+//! JSON, operating and deploying.
+//!
 //! # Things to know
 //! - **Times** are INTEGER unix milliseconds (the DDL helper creates them so).
 //! - **One writer at a time** is SQLite's design: connections use WAL and a 30 s busy timeout,
@@ -73,7 +78,40 @@ pub type SqliteQueue<T> = Queue<SqliteBackend, T>;
 /// A row claimed by hand on this database (see [`Delivery`]).
 pub type SqliteDelivery<T> = Delivery<SqliteBackend, T>;
 
-/// The README's examples, compiled as doctests so they stay true.
+/// The README's examples, compiled as doctests so they stay true (the PostgreSQL and MySQL
+/// ones through this crate's dev-dependencies on those backends).
 #[doc = include_str!("../../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The guide's snippets (`docs/*.md`), compiled as doctests; the SQLite ones run.
+#[cfg(doctest)]
+pub mod guide {
+    /// `docs/modes.md`.
+    #[doc = include_str!("../../docs/modes.md")]
+    pub struct Modes;
+    /// `docs/tables.md`.
+    #[doc = include_str!("../../docs/tables.md")]
+    pub struct Tables;
+    /// `docs/publishing.md`.
+    #[doc = include_str!("../../docs/publishing.md")]
+    pub struct Publishing;
+    /// `docs/handlers.md`.
+    #[doc = include_str!("../../docs/handlers.md")]
+    pub struct Handlers;
+    /// `docs/typed-rows.md`.
+    #[doc = include_str!("../../docs/typed-rows.md")]
+    pub struct TypedRows;
+    /// `docs/fifo-and-keys.md`.
+    #[doc = include_str!("../../docs/fifo-and-keys.md")]
+    pub struct FifoAndKeys;
+    /// `docs/operating.md`.
+    #[doc = include_str!("../../docs/operating.md")]
+    pub struct Operating;
+    /// `docs/deploying.md`.
+    #[doc = include_str!("../../docs/deploying.md")]
+    pub struct Deploying;
+    /// `docs/testing.md`.
+    #[doc = include_str!("../../docs/testing.md")]
+    pub struct Testing;
+}

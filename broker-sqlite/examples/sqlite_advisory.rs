@@ -1,0 +1,87 @@
+//! Advisory lock mode on SQLite: ledger entries keyed by account, so that one account's entries
+//! run one at a time while other accounts' run beside them.
+//!
+//! Run it with `cargo run -p broker-sqlite --example sqlite_advisory`; it needs no server (a
+//! file in the temp folder, removed at the end). SQLite's keys are held in this process: run
+//! one process per database file in advisory mode.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use broker_sqlite::{
+    BoxError, ColumnType, Job, MetricsSnapshot, NewJob, Outcome, Payload, SqliteBackend,
+    SubscribeOptions, Subscription, TableDescription,
+};
+
+/// The keys whose entry runs now: a key must never be in here twice.
+static IN_WORK: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+async fn post(job: Job<Payload<String>>) -> Result<Outcome, BoxError> {
+    // The template filled in from the row, e.g. "ledger-acme".
+    let key = job.key().unwrap_or_default().to_owned();
+    {
+        let mut in_work = IN_WORK.lock().unwrap();
+        if in_work.contains(&key) {
+            return Err(format!("{key} is in work twice").into());
+        }
+        in_work.push(key.clone());
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    IN_WORK.lock().unwrap().retain(|k| k != &key);
+    println!("{key}: {}", job.payload().0);
+    Ok(Outcome::Ack)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let path = std::env::temp_dir().join("sqlx-broker-example-advisory.db");
+    let remove = || {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    };
+    remove();
+    let broker = SqliteBackend::connect(&format!("sqlite://{}", path.display())).await?;
+    let table = TableDescription::builder("ledger")
+        .payload("payload", ColumnType::Text)
+        .column("account", ColumnType::Text) // a column of your own ...
+        .advisory_lock("ledger-{account}") // ... that the key reads: advisory mode
+        .build()?;
+    broker.create_tables(&table).await?;
+    let queue = broker.queue::<Payload<String>>(table).await?;
+
+    let jobs: Vec<_> = (1..=4)
+        .flat_map(|i| {
+            ["acme", "globex", "initech"]
+                .map(|account| NewJob::new(format!("entry {i}")).column("account", account))
+        })
+        .collect();
+    queue.publish_batch(&jobs).await?;
+
+    let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), post)?;
+    wait_for(&sub, |m| m.acked == 12).await?;
+    sub.shutdown().await;
+    let m = queue.metrics();
+    println!("{m:?}");
+    assert_eq!(m.handler_errors, 0, "a key was in work twice");
+
+    broker.drop_tables(queue.table()).await?;
+    broker.close().await;
+    remove();
+    Ok(())
+}
+
+/// Waits until the queue's counters satisfy `done`, for at most 30 s.
+async fn wait_for(
+    sub: &Subscription,
+    done: impl Fn(&MetricsSnapshot) -> bool,
+) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done(&sub.metrics()) {
+        if Instant::now() > deadline {
+            return Err(format!("not done after 30 s: {:?}", sub.metrics()).into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
