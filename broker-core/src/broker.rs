@@ -138,7 +138,6 @@ impl<B: Backend> Broker<B> {
         checks.push(pool_check(
             self.pool().options().get_max_connections(),
             holds,
-            caps.cross_process_wakeups,
             options,
         ));
         crate::DoctorReport { checks }
