@@ -521,7 +521,7 @@ async fn raw_row_lock<S: RowLockStrategy>(s: &S, shared: &LoopShared) -> Result<
 where
     Row: for<'r> FromRow<'r, <S::Db as Database>::Row>,
 {
-    let Some((tx, row)) = s.claim(clock::now_ms()).await? else {
+    let Some((tx, row)) = s.claim(clock::now_ms(), None).await? else {
         return Ok(0);
     };
     decode(&row)?;
@@ -547,7 +547,7 @@ where
 {
     let now = clock::now_ms();
     let expires_ms = clock::lease_expiry_ms(now, lease_seconds);
-    let rows = s.claim(batch, now, expires_ms).await?;
+    let rows = s.claim(batch, now, expires_ms, None).await?;
     let got = rows.len();
     for row in rows {
         decode(&row)?;
@@ -577,7 +577,7 @@ where
     Row: for<'r> FromRow<'r, <S::Db as Database>::Row>,
 {
     let mut candidates = s
-        .candidates(batch.saturating_mul(4).max(16), 0, clock::now_ms())
+        .candidates(batch.saturating_mul(4).max(16), 0, clock::now_ms(), None)
         .await?;
     // As the engine does when the claim order offers nothing free (and always on FIFO tables,
     // whose claim order holds only rows without a group): walk the keys or groups, here from

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, LeaseStrategy, LeaseToken, Prepared,
-    RowLockClaim, RowLockStrategy, RowTransaction, Settle,
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, LeaseStrategy, LeaseToken, Position,
+    Prepared, RowLockClaim, RowLockStrategy, RowTransaction, Settle,
 };
 use broker_core::{Backend, Capabilities, NewJob, Result, RowState, TableDescription};
 use sqlx::{Database, Pool};
@@ -231,9 +231,13 @@ impl<S> TimedStrategy<S> {
 impl<S: RowLockStrategy> RowLockStrategy for TimedStrategy<S> {
     type Db = S::Db;
 
-    async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<S::Db>>> {
+    async fn claim(
+        &self,
+        now_ms: i64,
+        from: Option<Position>,
+    ) -> Result<Option<RowLockClaim<S::Db>>> {
         let t = Instant::now();
-        let r = self.inner.claim(now_ms).await;
+        let r = self.inner.claim(now_ms, from).await;
         let rows = r.as_ref().map_or(0, |c| usize::from(c.is_some()));
         self.stats.record(Op::Claim, t, rows);
         r
@@ -272,9 +276,10 @@ impl<S: LeaseStrategy> LeaseStrategy for TimedStrategy<S> {
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        from: Option<Position>,
     ) -> Result<Vec<ClaimedRow<S::Db>>> {
         let t = Instant::now();
-        let r = self.inner.claim(limit, now_ms, expires_ms).await;
+        let r = self.inner.claim(limit, now_ms, expires_ms, from).await;
         let rows = r.as_ref().map_or(0, Vec::len);
         self.stats.record(Op::Claim, t, rows);
         r
@@ -313,9 +318,15 @@ impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {
     type Db = S::Db;
     type KeyLock = S::KeyLock;
 
-    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(
+        &self,
+        limit: usize,
+        skip: usize,
+        now_ms: i64,
+        from: Option<Position>,
+    ) -> Result<Vec<Candidate>> {
         let t = Instant::now();
-        let r = self.inner.candidates(limit, skip, now_ms).await;
+        let r = self.inner.candidates(limit, skip, now_ms, from).await;
         let rows = r.as_ref().map_or(0, Vec::len);
         self.stats.record(Op::Candidates, t, rows);
         r

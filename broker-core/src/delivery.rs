@@ -9,7 +9,7 @@ use sqlx::{Database, FromRow};
 
 use crate::claim_mode::ClaimMode;
 use crate::driver::clock;
-use crate::driver::{Action, Backend, ClaimedRow, RowTransaction, Settle};
+use crate::driver::{Action, Backend, ClaimedRow, Position, RowTransaction, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
 use crate::metrics::Metrics;
@@ -192,6 +192,9 @@ impl<B: Backend> JobTransaction<B> {
 pub struct Delivery<B: Backend, T> {
     queue: Arc<Shared<B>>,
     id: i64,
+    /// Where the row stood in the claim order when it was claimed: where it is when given
+    /// back unsettled.
+    position: Position,
     attempt: i64,
     key: Option<String>,
     /// The row; a subscription moves it into the handler's [`Job`].
@@ -204,12 +207,25 @@ pub struct Delivery<B: Backend, T> {
     lent: bool,
 }
 
+/// Where a settled row stands in the claim order once `action` put it back: a retry moves it
+/// to its new due time (none: first of all); an ack or dead letter takes it out.
+fn given_back(table: &TableDescription, id: i64, action: Action) -> Option<Position> {
+    match action {
+        Action::Retry { due_ms } => Some(Position {
+            due_ms: due_ms.filter(|_| table.due_at().is_some()),
+            id,
+        }),
+        Action::Ack | Action::DeadLetter => None,
+    }
+}
+
 /// A delivery dropped while it still holds its row gives the row back (each mode's hold
 /// releases it as it drops) and counts it in `released`.
 impl<B: Backend, T> Drop for Delivery<B, T> {
     fn drop(&mut self) {
         if self.hold.is_some() || self.lent {
             Metrics::add(&self.queue.metrics.released, 1);
+            self.queue.head.gave_back(self.position);
         }
     }
 }
@@ -278,6 +294,7 @@ where
     ) -> Option<Self> {
         let id = claimed.id;
         let attempt = claimed.attempt;
+        let position = claimed.position();
         let now_ms = clock::now_ms();
         let spent = attempts::spent(&queue.table, attempt);
         let failed = queue.settle_failures.get(id);
@@ -296,6 +313,7 @@ where
             Some(Ok(row)) => Some(Self {
                 queue,
                 id,
+                position,
                 attempt,
                 key: claimed.key,
                 row: Some(row),
@@ -333,6 +351,7 @@ where
                         Metrics::add(&queue.metrics.dead_lettered, 1);
                     }
                     Err(e) => {
+                        queue.head.gave_back(position);
                         tracing::warn!(table = queue.name(), id, error = %e, "dead-lettering the row failed; it was released")
                     }
                 }
@@ -357,8 +376,14 @@ where
                     Ok(()) if action == Action::DeadLetter => {
                         Metrics::add(&queue.metrics.dead_lettered, 1);
                     }
-                    Ok(()) => Metrics::add(&queue.metrics.retried, 1),
+                    Ok(()) => {
+                        Metrics::add(&queue.metrics.retried, 1);
+                        if let Some(p) = given_back(&queue.table, id, action) {
+                            queue.head.gave_back(p);
+                        }
+                    }
                     Err(e) => {
+                        queue.head.gave_back(position);
                         tracing::warn!(table = queue.name(), id, error = %e, "putting back a row that does not decode failed")
                     }
                 }
@@ -592,8 +617,14 @@ impl<B: Backend, T> Delivery<B, T> {
             attempt: attempts::held(table.mode(), self.attempt),
         };
         // A failure is counted by the hold (before it gives the row back).
-        hold.settle(settle, &queue).await?;
+        if let Err(e) = hold.settle(settle, &queue).await {
+            queue.head.gave_back(self.position);
+            return Err(e);
+        }
         queue.settle_failures.clear(self.id);
+        if let Some(p) = given_back(table, self.id, action) {
+            queue.head.gave_back(p);
+        }
         let m = &queue.metrics;
         Metrics::add(
             match action {

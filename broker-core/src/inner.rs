@@ -12,6 +12,7 @@ use tokio::task::JoinSet;
 use crate::claim_mode::ClaimMode;
 use crate::driver::{Action, Backend, Candidate, ErrorClass};
 use crate::error::SqlxBrokerError;
+use crate::head::Head;
 use crate::metrics::Metrics;
 use crate::table::TableDescription;
 
@@ -113,12 +114,15 @@ pub(crate) struct Shared<B: Backend> {
     pub(crate) key_cursor: Mutex<Option<Vec<String>>>,
     /// Rows whose settlement failed, so their next delivery backs off or dead-letters them.
     pub(crate) settle_failures: SettleFailures,
+    /// Where claims start reading (see [`Head`]).
+    pub(crate) head: Head,
 }
 
 impl<B: Backend> Shared<B> {
     pub(crate) fn new(broker: Arc<BrokerInner<B>>, table: Arc<TableDescription>) -> Self {
         Self {
             broker,
+            head: Head::new(&table),
             table,
             metrics: Metrics::default(),
             candidates: CandidateCache::default(),

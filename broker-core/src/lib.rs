@@ -68,6 +68,7 @@ mod delivery;
 pub mod doctor;
 pub mod driver;
 mod error;
+mod head;
 mod inner;
 mod metrics;
 mod mode;

@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle, WarmConnections,
 };
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
@@ -304,6 +304,7 @@ impl MySqlAdvisory {
                 id,
                 key: self.template.render(&values),
                 held: false,
+                due_ms: None,
             });
         }
         self.mark_held(conn, &mut out).await?;
@@ -572,7 +573,13 @@ impl AdvisoryStrategy for MySqlAdvisory {
     type Db = MySql;
     type KeyLock = KeyLock;
 
-    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(
+        &self,
+        limit: usize,
+        skip: usize,
+        now_ms: i64,
+        _from: Option<Position>,
+    ) -> Result<Vec<Candidate>> {
         let mut conn = self.conn().await?;
         let out = self.candidates_on(&mut conn, limit, skip, now_ms).await;
         self.done(conn, &out);

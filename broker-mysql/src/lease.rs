@@ -16,7 +16,9 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, LeaseStrategy, LeaseToken, Settle, WarmConnections};
+use broker_core::driver::{
+    ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
+};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{MySql, MySqlConnection, MySqlPool, Row};
 
@@ -366,11 +368,13 @@ impl MySqlLease {
 impl LeaseStrategy for MySqlLease {
     type Db = MySql;
 
+    // Reads from the start: InnoDB's purge removes the entries of acked rows as it runs.
     async fn claim(
         &self,
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        _from: Option<Position>,
     ) -> Result<Vec<ClaimedRow<MySql>>> {
         retrying(|| async {
             let out = self.claim_once(limit, now_ms, expires_ms).await;

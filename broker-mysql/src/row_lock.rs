@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+    Action, Position, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
@@ -206,7 +206,11 @@ impl MySqlRowLock {
 impl RowLockStrategy for MySqlRowLock {
     type Db = MySql;
 
-    async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
+    async fn claim(
+        &self,
+        now_ms: i64,
+        _from: Option<Position>,
+    ) -> Result<Option<RowLockClaim<MySql>>> {
         retrying(|| async {
             let claimed = self.claim_once(now_ms).await;
             match &claimed {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle, WarmConnections,
 };
 use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
@@ -25,8 +25,8 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    ErrorClass, Failed, Fence, SettleStatements, Statements, classify, ident, on_warm, query,
-    settle_retries, with_retries,
+    ErrorClass, Failed, Fence, Resume, SettleStatements, Statements, classify, ident, on_warm,
+    query, settle_retries, with_retries,
 };
 
 /// How long an advisory settlement whose key session went away runs again on pool connections.
@@ -101,6 +101,9 @@ pub struct PgAdvisory {
     /// The template's literal pieces, bound after each statement's own parameters.
     literals: Vec<String>,
     candidates: Arc<str>,
+    /// The candidates from a position on (see `Statements::resume_condition`); `None` where
+    /// claims always read from the start.
+    candidates_from: Option<Resume>,
     /// The key walk from the first key, and from just after a key (see [`key_walk`]); `None`
     /// for a table without one.
     walk: Option<[Arc<str>; 2]>,
@@ -136,16 +139,26 @@ impl PgAdvisory {
             )
         };
         let skip = 3 + literals.len();
-        let candidates = format!(
-            "SELECT q.{id}::int8, {key}, {held} FROM {t} AS q WHERE {claimable}{ungrouped} \
-             ORDER BY {order} LIMIT $2::int8 OFFSET ${skip}::int8",
-            id = s.id,
-            held = held(&key),
-            t = s.table,
-            claimable = s.claimable,
-            ungrouped = ungrouped(&table, "q."),
-            order = s.order,
-        );
+        // Columns: id, key, held, and the due time where the table has one.
+        let candidates_with = |from: &str| {
+            format!(
+                "SELECT q.{id}::int8, {key}, {held}{due} FROM {t} AS q \
+                 WHERE {claimable}{ungrouped}{from} \
+                 ORDER BY {order} LIMIT $2::int8 OFFSET ${skip}::int8",
+                id = s.id,
+                held = held(&key),
+                due = s.due_column(),
+                t = s.table,
+                claimable = s.claimable,
+                ungrouped = ungrouped(&table, "q."),
+                order = s.order,
+            )
+        };
+        let candidates = candidates_with("");
+        // The position after the skip.
+        let candidates_from = s
+            .resume_condition(skip + 1)
+            .map(|from| s.resume(candidates_with(&from)));
         let walk = table.key_walk_columns().map(|_| {
             [false, true].map(|after| Arc::from(key_walk(&s, &table, &held, literals.len(), after)))
         });
@@ -187,6 +200,7 @@ impl PgAdvisory {
             table,
             literals,
             candidates: candidates.into(),
+            candidates_from,
             walk,
             take: take.into(),
             guard,
@@ -197,6 +211,9 @@ impl PgAdvisory {
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![("candidates", &*self.candidates), ("take", &*self.take)];
+        if let Some(from) = &self.candidates_from {
+            out.push(("candidates from a position", &*from.sql));
+        }
         if let Some([first, after]) = &self.walk {
             out.extend([("key walk", &**first), ("key walk after", &**after)]);
         }
@@ -323,17 +340,29 @@ impl AdvisoryStrategy for PgAdvisory {
     type Db = Postgres;
     type KeyLock = KeyLock;
 
-    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(
+        &self,
+        limit: usize,
+        skip: usize,
+        now_ms: i64,
+        position: Option<Position>,
+    ) -> Result<Vec<Candidate>> {
         let rows = with_retries(|| async {
+            let bind = |mut q: sqlx::query::Query<'static, Postgres, _>| {
+                q = q
+                    .bind(now_ms)
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+                for literal in &self.literals {
+                    q = q.bind(literal.clone());
+                }
+                q.bind(i64::try_from(skip).unwrap_or(i64::MAX))
+            };
             // Advisory mode needs a session of its own (it is refused behind a transaction-mode
             // pooler), so its statements are always prepared.
-            let mut q = query(&self.candidates, true)
-                .bind(now_ms)
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
-            for literal in &self.literals {
-                q = q.bind(literal.clone());
-            }
-            let q = q.bind(i64::try_from(skip).unwrap_or(i64::MAX));
+            let q = match (&self.candidates_from, position) {
+                (Some(resume), Some(at)) => resume.query(true, at, bind),
+                _ => bind(query(&self.candidates, true)),
+            };
             on_warm(&self.warm, &self.pool, true, |c| Box::pin(q.fetch_all(c)))
                 .await
                 .map_err(Failed::new("candidates"))
@@ -350,6 +379,10 @@ impl AdvisoryStrategy for PgAdvisory {
                     id: row.try_get(0).map_err(self.err("candidates"))?,
                     key: row.try_get(1).map_err(self.err("candidates"))?,
                     held: row.try_get(2).map_err(self.err("candidates"))?,
+                    due_ms: match row.len() > 3 {
+                        true => row.try_get(3).map_err(self.err("candidates"))?,
+                        false => None,
+                    },
                 })
             })
             .collect()
@@ -397,6 +430,7 @@ impl AdvisoryStrategy for PgAdvisory {
                     id,
                     key: row.try_get(n + 1).map_err(self.err("key walk"))?,
                     held: row.try_get(n + 2).map_err(self.err("key walk"))?,
+                    due_ms: None,
                 });
             }
             walk.last = Some(values);

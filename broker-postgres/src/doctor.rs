@@ -56,6 +56,7 @@ pub(crate) async fn checks(
     }
     out.push(clock(&mut a, table).await);
     out.push(indexes(&mut a, table).await);
+    out.push(vacuum(&mut a, table).await);
     let _ = a.close().await;
     let _ = b.close().await;
     out
@@ -274,6 +275,102 @@ async fn clock(conn: &mut PgConnection, table: &TableDescription) -> Check {
             "check it by hand",
         ),
     }
+}
+
+/// How long a snapshot may be held before the vacuum check warns.
+const OLD_SNAPSHOT_SECONDS: i64 = 600;
+
+/// Whether vacuum can clean the table up: autovacuum on for the server and the table, and no
+/// transaction holding a snapshot for long (vacuum keeps every row deleted since that snapshot
+/// began). Acked rows' dead entries do not slow claims down (they resume at the queue's head),
+/// but the table and its indexes grow until vacuum runs.
+async fn vacuum(conn: &mut PgConnection, table: &TableDescription) -> Check {
+    let name = "vacuum";
+    let literal = ident(table.name()).replace('\'', "''");
+    let sql = format!(
+        "SELECT current_setting('autovacuum'), \
+         (SELECT COALESCE(array_to_string(c.reloptions, ', '), '') FROM pg_class AS c \
+          WHERE c.oid = to_regclass('{literal}')), \
+         (SELECT s.n_dead_tup FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass('{literal}')), \
+         (SELECT a.pid FROM pg_stat_activity AS a WHERE a.backend_xmin IS NOT NULL \
+          AND a.pid <> pg_backend_pid() AND a.xact_start IS NOT NULL ORDER BY a.xact_start LIMIT 1), \
+         (SELECT (EXTRACT(EPOCH FROM now() - a.xact_start))::int8 FROM pg_stat_activity AS a \
+          WHERE a.backend_xmin IS NOT NULL AND a.pid <> pg_backend_pid() AND a.xact_start IS NOT NULL \
+          ORDER BY a.xact_start LIMIT 1)"
+    );
+    type Found = (
+        String,
+        Option<String>,
+        Option<i64>,
+        Option<i32>,
+        Option<i64>,
+    );
+    let found: Result<Found, sqlx::Error> = one_row(conn, &sql).await.and_then(|r| {
+        Ok((
+            r.try_get(0)?,
+            r.try_get(1)?,
+            r.try_get(2)?,
+            r.try_get(3)?,
+            r.try_get(4)?,
+        ))
+    });
+    let (server, options, dead, oldest_pid, oldest_age) = match found {
+        Ok(f) => f,
+        Err(e) => {
+            return Check::warn(
+                name,
+                format!("cannot read the vacuum settings: {e}"),
+                "check autovacuum and long transactions by hand",
+            );
+        }
+    };
+    let options = options.unwrap_or_default();
+    let dead = dead.map_or_else(String::new, |d| format!("; {d} dead rows now"));
+    let settings = format!(
+        "the DDL helper creates queue tables WITH ({})",
+        schema::VACUUM_SETTINGS
+    );
+    if server != "on" {
+        return Check::warn(
+            name,
+            format!(
+                "autovacuum is off for the server{dead}: acked rows stay in the table and its indexes until a VACUUM (claims read past them, but the table keeps growing)"
+            ),
+            format!(
+                "ALTER SYSTEM SET autovacuum = on and SELECT pg_reload_conf(), or VACUUM the table regularly; {settings}"
+            ),
+        );
+    }
+    if options.contains("autovacuum_enabled=false") {
+        return Check::warn(
+            name,
+            format!(
+                "autovacuum is off for table \"{}\" ({options}){dead}",
+                table.name()
+            ),
+            format!(
+                "ALTER TABLE {} RESET (autovacuum_enabled); {settings}",
+                ident(table.name())
+            ),
+        );
+    }
+    if let (Some(pid), Some(age)) = (oldest_pid, oldest_age)
+        && age > OLD_SNAPSHOT_SECONDS
+    {
+        return Check::warn(
+            name,
+            format!(
+                "a transaction (pid {pid}) has held its snapshot for {age} s{dead}: vacuum keeps every row deleted since it began"
+            ),
+            "end long transactions (idle_in_transaction_session_timeout helps); row lock mode holds one per delivery, so use lease mode for long handlers",
+        );
+    }
+    let tuned = if options.contains("autovacuum_vacuum_threshold") {
+        "with the queue settings"
+    } else {
+        "with the server's defaults (the DDL helper's queue settings would vacuum sooner)"
+    };
+    Check::pass(name, format!("autovacuum on, {tuned}{dead}"))
 }
 
 /// The indexes the DDL helper creates for the claim, by name.

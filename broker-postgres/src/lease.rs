@@ -8,15 +8,15 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{
-    ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Settle, WarmConnections,
+    ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
 };
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, SettleStatements, Statements, ident, on_pool, on_warm, query, settle_retries,
-    ts, with_retries,
+    Failed, Fence, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query,
+    settle_retries, ts, with_retries,
 };
 
 /// The lease strategy of one PostgreSQL table.
@@ -27,6 +27,9 @@ pub struct PgLease {
     prepared: bool,
     table: Arc<TableDescription>,
     claim: Arc<str>,
+    /// The claim from a position on (see `Statements::resume_condition`); `None` where claims
+    /// always read from the start.
+    claim_from: Option<Resume>,
     /// FIFO tables: the guard prefix the claim binds.
     guard: Option<String>,
     /// FIFO tables: where the next claim starts its visit of the groups.
@@ -71,19 +74,33 @@ impl PgLease {
         };
         // The UPDATE's RETURNING sees the counted attempt; the outer select hands the rows back
         // in claim order.
-        let claim = format!(
-            "WITH {recursive}{picked}, sqlx_broker_claimed AS (\
-             UPDATE {t} AS q SET {lu} = {expiry}, {a} = q.{a} + 1 FROM sqlx_broker_picked AS p \
-             WHERE q.{id} = p.id RETURNING {columns}) \
-             SELECT * FROM sqlx_broker_claimed ORDER BY {order_out}",
-            t = s.table,
-            expiry = ts("$2"),
-            a = s.attempt,
-            id = s.id,
-            recursive = if guard.is_some() { "RECURSIVE " } else { "" },
-            columns = s.claimed_columns(true),
-            order_out = s.order_out,
-        );
+        let claim_with = |picked: &str| {
+            format!(
+                "WITH {recursive}{picked}, sqlx_broker_claimed AS (\
+                 UPDATE {t} AS q SET {lu} = {expiry}, {a} = q.{a} + 1 FROM sqlx_broker_picked AS p \
+                 WHERE q.{id} = p.id RETURNING {columns}) \
+                 SELECT * FROM sqlx_broker_claimed ORDER BY {order_out}",
+                t = s.table,
+                expiry = ts("$2"),
+                a = s.attempt,
+                id = s.id,
+                recursive = if guard.is_some() { "RECURSIVE " } else { "" },
+                columns = s.claimed_columns(true),
+                order_out = s.order_out,
+            )
+        };
+        let claim = claim_with(&picked);
+        // $1 now, $2 expiry, $3 limit, then the position.
+        let claim_from = s.resume_condition(4).map(|from| {
+            s.resume(claim_with(&format!(
+                "sqlx_broker_picked AS (SELECT q.{id} AS id FROM {t} AS q WHERE {claimable}{from} \
+                 ORDER BY {order} LIMIT $3::int8 FOR UPDATE OF q SKIP LOCKED)",
+                id = s.id,
+                t = s.table,
+                claimable = s.claimable,
+                order = s.order,
+            )))
+        });
         // $1 new expiry, $2 id, $3 and $4 the token. The row may hold the new expiry already:
         // a renewal run again after a lost reply finds its own first try landed.
         let renew = format!(
@@ -102,6 +119,7 @@ impl PgLease {
             prepared: true,
             table,
             claim: claim.into(),
+            claim_from,
             guard,
             cursor: GroupCursor::default(),
             renew: renew.into(),
@@ -155,6 +173,9 @@ impl PgLease {
             ("renew", &*self.renew),
             ("ack many", &*self.ack_many),
         ];
+        if let Some(from) = &self.claim_from {
+            out.push(("claim from a position", &*from.sql));
+        }
         out.extend(self.settle.named());
         out
     }
@@ -173,13 +194,18 @@ impl LeaseStrategy for PgLease {
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        position: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
         let from = self.guard.as_ref().map(|_| self.cursor.get());
         let rows = with_retries(|| async {
-            let mut q = query(&self.claim, self.prepared)
-                .bind(now_ms)
-                .bind(expires_ms)
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+            let bind = |q: sqlx::query::Query<'static, Postgres, _>| {
+                q.bind(now_ms).bind(expires_ms).bind(limit)
+            };
+            let mut q = match (&self.claim_from, position) {
+                (Some(resume), Some(at)) => resume.query(self.prepared, at, bind),
+                _ => bind(query(&self.claim, self.prepared)),
+            };
             if let (Some(prefix), Some(from)) = (&self.guard, &from) {
                 q = q.bind(from.clone()).bind(prefix.clone());
             }

@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, GroupCursor, KeptForClaim, RowLockClaim, RowLockStrategy, RowTransaction, Settle,
-    WarmConnections,
+    Action, GroupCursor, KeptForClaim, Position, RowLockClaim, RowLockStrategy, RowTransaction,
+    Settle, WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, SettleStatements, Statements, query, with_retries};
+use crate::sql::{Failed, Fence, Resume, SettleStatements, Statements, query, with_retries};
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
@@ -36,6 +36,9 @@ pub struct PgRowLock {
     table: Arc<TableDescription>,
     begin: Option<&'static str>,
     claim: Arc<str>,
+    /// The claim from a position on (see `Statements::resume_condition`); `None` where claims
+    /// always read from the start.
+    claim_from: Option<Resume>,
     /// FIFO tables: the guard prefix the claim binds.
     guard: Option<String>,
     /// FIFO tables: where the next claim starts its visit of the groups.
@@ -57,6 +60,16 @@ impl PgRowLock {
     pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
         let s = Statements::new(&table, columns);
         let columns = s.claimed_columns(false);
+        // $1 now, then the position.
+        let claim_from = s.resume_condition(2).map(|from| {
+            s.resume(format!(
+                "SELECT {columns} FROM {t} AS q WHERE {claimable}{from} ORDER BY {order} LIMIT 1 \
+                 FOR UPDATE OF q SKIP LOCKED",
+                t = s.table,
+                claimable = s.claimable,
+                order = s.order,
+            ))
+        });
         let (claim, guard) = match table.group().filter(|_| table.fifo()) {
             // $1 now, $2 cursor, $3 guard prefix.
             Some(group) => (
@@ -95,6 +108,7 @@ impl PgRowLock {
             table,
             begin,
             claim: claim.into(),
+            claim_from,
             guard,
             cursor: GroupCursor::default(),
             settle,
@@ -118,12 +132,19 @@ impl PgRowLock {
 
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![("claim", &*self.claim)];
+        if let Some(from) = &self.claim_from {
+            out.push(("claim from a position", &*from.sql));
+        }
         out.extend(self.settle.named());
         out
     }
 
-    async fn try_claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
-        let claimed = self.claim_on_warm(now_ms).await;
+    async fn try_claim(
+        &self,
+        now_ms: i64,
+        from: Option<Position>,
+    ) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
+        let claimed = self.claim_on_warm(now_ms, from).await;
         match &claimed {
             Ok(found) => self.warm.claimed(found.is_some()),
             // The server may have dropped every kept connection; the retry takes tested ones.
@@ -132,7 +153,11 @@ impl PgRowLock {
         claimed
     }
 
-    async fn claim_on_warm(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
+    async fn claim_on_warm(
+        &self,
+        now_ms: i64,
+        position: Option<Position>,
+    ) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
         let kept = match self.warm.take() {
             Some(kept) => kept,
             None => KeptForClaim::Idle(
@@ -145,7 +170,10 @@ impl PgRowLock {
         let mut tx = RowTransaction::resume(kept, self.begin.map(SqlStr::from_static))
             .await
             .map_err(Failed::new("claim begin"))?;
-        let mut q = query(&self.claim, self.prepared).bind(now_ms);
+        let mut q = match (&self.claim_from, position) {
+            (Some(resume), Some(at)) => resume.query(self.prepared, at, |q| q.bind(now_ms)),
+            _ => query(&self.claim, self.prepared).bind(now_ms),
+        };
         let from = self.guard.as_ref().map(|_| self.cursor.get());
         if let (Some(prefix), Some(from)) = (&self.guard, &from) {
             q = q.bind(from.clone()).bind(prefix.clone());
@@ -177,9 +205,13 @@ impl RowLockStrategy for PgRowLock {
     /// # Cancel safety
     /// Not cancel safe: a dropped claim may leave its connection mid-statement (sqlx then tests
     /// the connection before reusing it, and the open transaction rolls back).
-    async fn claim(&self, now_ms: i64) -> Result<Option<RowLockClaim<Postgres>>> {
+    async fn claim(
+        &self,
+        now_ms: i64,
+        from: Option<Position>,
+    ) -> Result<Option<RowLockClaim<Postgres>>> {
         // A failed claim's transaction rolls back as it drops, so trying again is safe.
-        with_retries(|| self.try_claim(now_ms))
+        with_retries(|| self.try_claim(now_ms, from))
             .await
             .map_err(|e| e.on(self.table.name()))
     }

@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use broker_core::driver::{Action, LeaseToken, Settle, alias};
+use broker_core::driver::{Action, LeaseToken, Position, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -197,6 +197,10 @@ pub(crate) struct Statements {
     /// The same order on the unqualified columns, for ordering a CTE's output.
     pub(crate) order_out: String,
     payload: Option<String>,
+    /// The due-time column, quoted.
+    due: Option<String>,
+    /// Whether claims resume from a position (see [`Position::resumes`]).
+    resumes: bool,
     /// The table's columns, quoted, in table order; empty when unknown (the table check then
     /// fails before any statement runs).
     columns: Vec<String>,
@@ -257,8 +261,59 @@ impl Statements {
             order,
             order_out,
             payload: t.payload().map(|(p, _)| ident(p)),
+            due: t.due_at().map(ident),
+            resumes: Position::resumes(t),
             columns: columns.iter().map(|c| ident(c)).collect(),
         }
+    }
+
+    /// The condition that keeps a claim's rows at or after a [`Position`] in the claim order,
+    /// bound from parameter `first` on (the due time as unix ms, NULL for none, then the id;
+    /// the id alone on a table without a due time). It has
+    /// the claim index's own expressions as a row comparison, so the index scan starts at the
+    /// position instead of walking the entries before it (acked rows vacuum has not removed
+    /// yet). `None` for tables whose claims always read from the start.
+    pub(crate) fn resume_condition(&self, first: usize) -> Option<String> {
+        if !self.resumes {
+            return None;
+        }
+        Some(match &self.due {
+            Some(due) => format!(
+                " AND ({}, q.{}) >= (COALESCE({}, TIMESTAMPTZ '-infinity'), ${}::int8)",
+                due_key(&format!("q.{due}")),
+                self.id,
+                ts(&format!("${first}")),
+                first + 1
+            ),
+            None => format!(" AND q.{} >= ${first}::int8", self.id),
+        })
+    }
+
+    /// A statement that resumes from a position: `sql` with the condition of
+    /// [`resume_condition`](Self::resume_condition) in it.
+    pub(crate) fn resume(&self, sql: String) -> Resume {
+        Resume {
+            sql: sql.into(),
+            due: self.due.is_some(),
+        }
+    }
+
+    /// A row's due time as [`alias::DUE`] reads it: unix ms rounded down (so a position is
+    /// never past its row), NULL for none or an infinite one.
+    fn due_ms(&self) -> Option<String> {
+        self.due.as_ref().map(|d| {
+            format!(
+                "CASE WHEN isfinite(q.{d}) THEN floor(EXTRACT(EPOCH FROM q.{d}) * 1000)::int8 END"
+            )
+        })
+    }
+
+    /// The due time of a candidate or claimed row ([`alias::DUE`]) as a select list item, with
+    /// its leading comma; empty for a table without a due time.
+    pub(crate) fn due_column(&self) -> String {
+        self.due_ms()
+            .map(|d| format!(", {d} AS {}", alias::DUE))
+            .unwrap_or_default()
     }
 
     /// The row's columns on `alias`, listed by name rather than `alias.*`: a prepared statement
@@ -294,6 +349,7 @@ impl Statements {
         if let Some(p) = &self.payload {
             out.push_str(&format!(", q.{p} AS {}", alias::PAYLOAD));
         }
+        out.push_str(&self.due_column());
         out
     }
 
@@ -410,6 +466,35 @@ impl Statements {
             ack: ack.into(),
             retry: retry.into(),
             dead: dead.into_arcs(),
+        }
+    }
+}
+
+/// A claim statement that reads the claim order from a [`Position`] on (see
+/// [`Statements::resume_condition`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Resume {
+    pub(crate) sql: Arc<str>,
+    /// Whether the position binds a due time before the id.
+    due: bool,
+}
+
+impl Resume {
+    /// The statement with its parameters before the position bound by `bind`, then the
+    /// position.
+    pub(crate) fn query(
+        &self,
+        prepared: bool,
+        from: Position,
+        bind: impl FnOnce(
+            sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        )
+            -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let q = bind(query(&self.sql, prepared));
+        match self.due {
+            true => q.bind(from.due_ms).bind(from.id),
+            false => q.bind(from.id),
         }
     }
 }

@@ -46,6 +46,7 @@ bounded!(
     a_claim_reads_no_row_scheduled_ahead_of_the_due_ones,
     a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level,
     claims_in_flight_stay_within_max_claims_in_flight,
+    a_row_that_commits_behind_the_head_is_claimed_by_a_read_from_the_start,
 );
 
 mod case {
@@ -629,5 +630,47 @@ mod case {
         assert!(leaks.is_empty(), "after shutdown: {leaks:?}");
         let _ = conn.close().await;
         fx.cleanup().await;
+    }
+
+    /// Issue #32: claims start at the table's head, which trails the claims by a second. A row
+    /// whose insert commits long after rows with higher ids were claimed (a publish inside a
+    /// transaction that stayed open) stands before the head; a claim that reads from the start,
+    /// which comes at least every few seconds, still takes it. In every mode.
+    pub(super) async fn a_row_that_commits_behind_the_head_is_claimed_by_a_read_from_the_start() {
+        for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+            let fx = fixture(mode).await;
+            let q = fx.queue().await;
+            let mut open = fx.broker.pool().begin().await.expect("begin");
+            let late = q
+                .publish_in(&mut *open, &[fx.job(1000)])
+                .await
+                .expect("publish in the open transaction")[0];
+            let ids = fx.publish(&q, 40).await;
+            assert!(ids.iter().all(|id| *id > late));
+            // Claims for over a second move the head past the uncommitted row.
+            for _ in 0..14 {
+                let d = claim_one(&q).await;
+                assert_ne!(d.id(), late);
+                d.ack().await.expect("ack");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            open.commit().await.expect("commit the late row");
+            let mut took_late = false;
+            for _ in 0..1500 {
+                if let Some(d) = q.claim(1).await.expect("claim").pop() {
+                    took_late = d.id() == late;
+                    d.ack().await.expect("ack");
+                    if took_late {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                took_late,
+                "{mode}: the row committed behind the head was never claimed"
+            );
+            fx.cleanup().await;
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Settle};
+use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -200,7 +200,13 @@ impl AdvisoryStrategy for SqliteAdvisory {
     type Db = Sqlite;
     type KeyLock = KeyLock;
 
-    async fn candidates(&self, limit: usize, skip: usize, now_ms: i64) -> Result<Vec<Candidate>> {
+    async fn candidates(
+        &self,
+        limit: usize,
+        skip: usize,
+        now_ms: i64,
+        _from: Option<Position>,
+    ) -> Result<Vec<Candidate>> {
         let q = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
             .bind(now_ms)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
@@ -224,6 +230,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
                     id,
                     key: self.template.render(&values),
                     held: false,
+                    due_ms: None,
                 })
             })
             .collect()

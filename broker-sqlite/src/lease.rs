@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Settle};
+use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
@@ -140,11 +140,14 @@ impl SqliteLease {
 impl LeaseStrategy for SqliteLease {
     type Db = Sqlite;
 
+    // Reads from the start: SQLite removes a deleted row's index entries in its delete, so no
+    // dead entries pile up ahead of the claim.
     async fn claim(
         &self,
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        _from: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Sqlite>>> {
         let _turn = self.file.write_turn().await;
         let from = self.cursor.as_ref().map(GroupCursor::get);

@@ -119,6 +119,7 @@ macro_rules! conformance_suite {
                 shutdown_deadline_drops_handlers_and_releases_rows,
                 a_stopped_subscription_gives_its_kept_connections_back_at_once,
                 rows_inserted_by_plain_sql_into_a_busy_queue_run_without_waiting_for_the_poll,
+                a_row_given_back_behind_the_head_is_the_next_claims_first,
                 a_handler_panic_is_a_retry,
                 a_handler_error_is_a_retry,
                 a_row_that_does_not_decode_is_retried_not_lost,
@@ -178,6 +179,7 @@ macro_rules! conformance_suite {
     (@only $db:ty; advisory) => {
         $crate::conformance_suite!(@each $db; advisory;
             advisory_claims_past_heads_in_work_take_only_heads,
+            a_row_passed_over_for_its_held_key_is_claimed_once_the_key_is_free,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );

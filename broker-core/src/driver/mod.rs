@@ -37,6 +37,32 @@ pub mod alias {
     pub const ATTEMPT: &str = "sqlx_broker_attempt";
     /// The payload column, where the table has one.
     pub const PAYLOAD: &str = "sqlx_broker_payload";
+    /// The row's due time as unix milliseconds rounded down, NULL when it has none (or an
+    /// infinite one), on tables with a due-time column: where the row stands in the claim
+    /// order (see [`Position`]). Optional: a claim that leaves it out reads as NULL, which
+    /// places the row earlier than it is and only costs the next claims a longer read.
+    pub const DUE: &str = "sqlx_broker_due_ms";
+}
+
+/// A place in the claim order of a table without a priority column or FIFO groups: the due
+/// time (a row without one, or on a table without a due-time column, first: `None` sorts
+/// before every time), then the id. The core passes one to a claim as where to start reading
+/// (see [`LeaseStrategy::claim`]), so that acked rows whose index entries vacuum has not
+/// removed yet are not read again by every claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Position {
+    /// The due time in unix milliseconds, rounded down; `None` for no due time.
+    pub due_ms: Option<i64>,
+    /// The row id.
+    pub id: i64,
+}
+
+impl Position {
+    /// Whether claims of `table` can resume from a position: its claim order is due time and
+    /// id, without a priority column in front or FIFO groups.
+    pub fn resumes(table: &TableDescription) -> bool {
+        table.priority().is_none() && !table.fifo()
+    }
 }
 
 /// What a backend can do, so shared code and the conformance suite ask the backend instead of
@@ -82,6 +108,8 @@ pub struct ClaimedRow<DB: Database> {
     pub attempt: i64,
     /// The advisory key, in advisory mode.
     pub key: Option<String>,
+    /// The row's due time ([`alias::DUE`]), where the claim read it.
+    pub due_ms: Option<i64>,
     /// The whole row, for the handler's `FromRow` type.
     pub row: DB::Row,
 }
@@ -92,15 +120,32 @@ where
     for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
 {
     /// Reads the broker's columns of a claimed row by their [`alias`]es (the claim statement
-    /// must select them as 64-bit integers), keeping the whole row for the handler's type.
+    /// must select them as 64-bit integers; [`alias::DUE`] is optional), keeping the whole row
+    /// for the handler's type.
     pub fn read(row: DB::Row, key: Option<String>) -> std::result::Result<Self, sqlx::Error> {
         use sqlx::Row;
+        let due_ms = match row.try_get::<Option<i64>, _>(alias::DUE) {
+            Ok(due) => due,
+            Err(sqlx::Error::ColumnNotFound(_)) => None,
+            Err(e) => return Err(e),
+        };
         Ok(Self {
             id: row.try_get(alias::ID)?,
             attempt: row.try_get(alias::ATTEMPT)?,
             key,
+            due_ms,
             row,
         })
+    }
+}
+
+impl<DB: Database> ClaimedRow<DB> {
+    /// Where the row stands in the claim order.
+    pub fn position(&self) -> Position {
+        Position {
+            due_ms: self.due_ms,
+            id: self.id,
+        }
     }
 }
 
@@ -115,6 +160,18 @@ pub struct Candidate {
     /// keys in bulk); the claim passes such a candidate over without trying its lock, and
     /// counts it as read, so a window full of held keys still reads on.
     pub held: bool,
+    /// The row's due time, where the read returned it (see [`ClaimedRow::due_ms`]).
+    pub due_ms: Option<i64>,
+}
+
+impl Candidate {
+    /// Where the row stands in the claim order.
+    pub fn position(&self) -> Position {
+        Position {
+            due_ms: self.due_ms,
+            id: self.id,
+        }
+    }
 }
 
 /// What one step of an advisory key walk found (see [`AdvisoryStrategy::walk_keys`]).
@@ -160,6 +217,7 @@ impl KeyWalk {
                     id,
                     key: template.render(&key),
                     held: false,
+                    due_ms: None,
                 });
             }
             walk.last = Some(values);
@@ -229,7 +287,9 @@ pub trait RowLockStrategy: Send + Sync + 'static {
     type Db: Database;
 
     /// Opens a transaction and takes one due row with `FOR UPDATE SKIP LOCKED`; the transaction
-    /// stays open while the handler runs. `Ok(None)` when no row is due.
+    /// stays open while the handler runs. `Ok(None)` when no row is due. `from`: read the claim
+    /// order from this [`Position`] on (`None`: from the start); a backend may read from the
+    /// start anyway, which only costs time.
     ///
     /// # Cancel safety
     /// Not cancel safe: a dropped claim may leave its connection mid-statement. The engine never
@@ -237,6 +297,7 @@ pub trait RowLockStrategy: Send + Sync + 'static {
     fn claim(
         &self,
         now_ms: i64,
+        from: Option<Position>,
     ) -> impl Future<Output = Result<Option<RowLockClaim<Self::Db>>>> + Send;
 
     /// Marks where the handler's writes through the claim's transaction begin (a savepoint),
@@ -281,11 +342,18 @@ pub trait LeaseStrategy: Send + Sync + 'static {
 
     /// Claims up to `limit` due rows: writes `expires_ms` into `locked_until`, counts the
     /// attempt, and commits at once. Rows come back with the attempt before the claim.
+    ///
+    /// `from`: read the claim order from this [`Position`] on, not from the start (`None`). The
+    /// core passes one only for tables without a priority or FIFO groups, trailing its claims
+    /// and reading from the start every few seconds (see `broker-core/src/head.rs`), so that
+    /// index entries of acked rows that vacuum has not removed are not read by every claim. A
+    /// backend may ignore it and read from the start: that only costs time.
     fn claim(
         &self,
         limit: usize,
         now_ms: i64,
         expires_ms: i64,
+        from: Option<Position>,
     ) -> impl Future<Output = Result<Vec<ClaimedRow<Self::Db>>>> + Send;
 
     /// Moves the expiry of row `id` from `token` to `expires_ms`; `false` when the row no longer
@@ -338,12 +406,14 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
     type KeyLock: Send + 'static;
 
     /// Due rows with their keys, best first, at most `limit`, after the first `skip` of them
-    /// (the claim reads on past a window whose keys were all held).
+    /// (the claim reads on past a window whose keys were all held). `from`: read the claim
+    /// order from this [`Position`] on (see [`LeaseStrategy::claim`]); a backend may ignore it.
     fn candidates(
         &self,
         limit: usize,
         skip: usize,
         now_ms: i64,
+        from: Option<Position>,
     ) -> impl Future<Output = Result<Vec<Candidate>>> + Send;
 
     /// Visits the tuples of [`TableDescription::key_walk_columns`](crate::TableDescription::key_walk_columns)
@@ -402,7 +472,11 @@ pub enum NotOffered<DB> {
 
 impl<DB: Database> RowLockStrategy for NotOffered<DB> {
     type Db = DB;
-    async fn claim(&self, _now_ms: i64) -> Result<Option<RowLockClaim<DB>>> {
+    async fn claim(
+        &self,
+        _now_ms: i64,
+        _from: Option<Position>,
+    ) -> Result<Option<RowLockClaim<DB>>> {
         match self {
             NotOffered::_Never(never, _) => match *never {},
         }

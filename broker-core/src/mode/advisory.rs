@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use crate::driver::{AdvisoryStrategy, Backend, ClaimedRow, Settle};
+use crate::driver::{AdvisoryStrategy, Backend, Candidate, ClaimedRow, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
 
@@ -110,6 +110,8 @@ pub(crate) async fn claim<B: Backend>(
     let mut window = limit.saturating_mul(4).max(16);
     let mut reads = 0;
     let mut skip = 0;
+    // Where this claim's reads in claim order start, asked of the head at the first.
+    let mut from = None;
     // Whether the last read may have more rows after it (a full window, or a walk that has
     // keys left to visit).
     let mut more = false;
@@ -150,8 +152,18 @@ pub(crate) async fn claim<B: Backend>(
                 if reads > 0 {
                     window = window.saturating_mul(4);
                 }
+                if reads == 0 {
+                    from = shared.head.start();
+                }
                 reads += 1;
-                let fresh = s.candidates(window, skip, now_ms).await?;
+                let fresh = s.candidates(window, skip, now_ms, from).await?;
+                // The first row a read from the head found, taken or not: a row passed over
+                // because its key is held stays ahead of the head until its key is free.
+                if skip == 0
+                    && let Some(first) = fresh.iter().map(Candidate::position).min()
+                {
+                    shared.head.found(first);
+                }
                 more = fifo_walk || fresh.len() == window;
                 skip = skip.saturating_add(fresh.len());
                 shared.candidates.refill(fresh);

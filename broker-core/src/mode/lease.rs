@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 
 use crate::driver::clock;
-use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Settle};
+use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
 use crate::metrics::Metrics;
@@ -301,9 +301,10 @@ pub(crate) async fn claim<B: Backend>(
     shared: &Arc<Shared<B>>,
     limit: usize,
     now_ms: i64,
+    from: Option<Position>,
 ) -> Result<Vec<(ClaimedRow<B::Db>, LeaseHold<B>)>> {
     let expires_ms = clock::lease_expiry_ms(now_ms, shared.table.lease_seconds());
-    let rows = mode.strategy.claim(limit, now_ms, expires_ms).await?;
+    let rows = mode.strategy.claim(limit, now_ms, expires_ms, from).await?;
     Ok(rows
         .into_iter()
         .map(|row| {

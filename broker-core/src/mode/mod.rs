@@ -56,16 +56,22 @@ impl<B: Backend> QueueInner<B> {
         let now = clock::now_ms();
         let shared = &self.shared;
         let claimed: Vec<_> = match &self.mode {
-            Mode::RowLock(s) => row_lock::claim::<B>(s, limit, now, for_subscription)
-                .await?
-                .into_iter()
-                .map(|(row, hold)| (row, Hold::RowLock(hold)))
-                .collect(),
-            Mode::Lease(s) => lease::claim(s, shared, limit, now)
-                .await?
-                .into_iter()
-                .map(|(row, hold)| (row, Hold::Lease(hold)))
-                .collect(),
+            Mode::RowLock(s) => {
+                let from = shared.head.start();
+                row_lock::claim::<B>(s, limit, now, for_subscription, from)
+                    .await?
+                    .into_iter()
+                    .map(|(row, hold)| (row, Hold::RowLock(hold)))
+                    .collect()
+            }
+            Mode::Lease(s) => {
+                let from = shared.head.start();
+                lease::claim(s, shared, limit, now, from)
+                    .await?
+                    .into_iter()
+                    .map(|(row, hold)| (row, Hold::Lease(hold)))
+                    .collect()
+            }
             Mode::Advisory(s) => advisory::claim(s, shared, limit, now)
                 .await?
                 .into_iter()
@@ -73,6 +79,13 @@ impl<B: Backend> QueueInner<B> {
                 .collect(),
         };
         Metrics::add(&shared.metrics.claimed, claimed.len() as u64);
+        // Advisory claims tell the head what their candidate reads found (its rows may be passed
+        // over for held keys); the other modes take the first rows of the claim order.
+        if !matches!(self.mode, Mode::Advisory(_))
+            && let Some(first) = claimed.iter().map(|(row, _)| row.position()).min()
+        {
+            shared.head.found(first);
+        }
         Ok(claimed)
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::driver::{Backend, ClaimedRow, RowLockStrategy, RowTransaction, Settle};
+use crate::driver::{Backend, ClaimedRow, Position, RowLockStrategy, RowTransaction, Settle};
 use crate::error::Result;
 
 /// What holds a row lock delivery's row: the claim's open transaction, and whether the
@@ -25,10 +25,11 @@ pub(crate) async fn claim<B: Backend>(
     limit: usize,
     now_ms: i64,
     for_subscription: bool,
+    from: Option<Position>,
 ) -> Result<Vec<(ClaimedRow<B::Db>, TxHold<B>)>> {
     let mut out = Vec::new();
     while out.len() < limit {
-        match strategy.claim(now_ms).await? {
+        match strategy.claim(now_ms, from).await? {
             Some((tx, row)) => out.push((
                 row,
                 TxHold {

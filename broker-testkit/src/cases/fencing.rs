@@ -338,7 +338,7 @@ pub async fn a_renewal_run_again_after_it_landed_keeps_the_lease<D: TestDb>(mode
     };
     let now = clock::now_ms();
     let expires_ms = clock::lease_expiry_ms(now, 30);
-    let rows = lease.claim(1, now, expires_ms).await.expect("claim");
+    let rows = lease.claim(1, now, expires_ms, None).await.expect("claim");
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), vec![id]);
     let token = LeaseToken {
         expires_ms,
