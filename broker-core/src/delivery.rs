@@ -12,7 +12,7 @@ use crate::driver::clock;
 use crate::driver::{Action, Backend, ClaimedRow, Position, RowTransaction, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
-use crate::metrics::Metrics;
+use crate::metrics::Counter;
 use crate::mode::lease::Renewer;
 use crate::mode::row_lock::TxHold;
 use crate::mode::{Hold, QueueInner};
@@ -224,7 +224,7 @@ fn given_back(table: &TableDescription, id: i64, action: Action) -> Option<Posit
 impl<B: Backend, T> Drop for Delivery<B, T> {
     fn drop(&mut self) {
         if self.hold.is_some() || self.lent {
-            Metrics::add(&self.queue.metrics.released, 1);
+            self.queue.metrics.add(Counter::Released, 1);
             self.queue.head.gave_back(self.position);
         }
     }
@@ -264,6 +264,10 @@ where
     // How long the claim took: a row's hold was taken somewhere in it, so a fault between its
     // start and now may have taken the hold before the handler begins.
     let claim_us = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+    queue
+        .shared
+        .metrics
+        .claim_took(began.elapsed().as_secs_f64());
     let mut out = Vec::with_capacity(claimed.len());
     for (row, hold) in claimed {
         if let Some(d) = Delivery::from_claim(queue.shared.clone(), row, hold).await {
@@ -348,7 +352,7 @@ where
                 match hold.settle(settle, &queue).await {
                     Ok(()) => {
                         queue.settle_failures.clear(id);
-                        Metrics::add(&queue.metrics.dead_lettered, 1);
+                        queue.metrics.add(Counter::DeadLettered, 1);
                     }
                     Err(e) => {
                         queue.head.gave_back(position);
@@ -358,7 +362,7 @@ where
                 None
             }
             Some(Err(source)) => {
-                Metrics::add(&queue.metrics.decode_errors, 1);
+                queue.metrics.add(Counter::DecodeErrors, 1);
                 let error = SqlxBrokerError::Decode {
                     table: queue.name().to_owned(),
                     id,
@@ -374,10 +378,10 @@ where
                 };
                 match hold.settle(settle, &queue).await {
                     Ok(()) if action == Action::DeadLetter => {
-                        Metrics::add(&queue.metrics.dead_lettered, 1);
+                        queue.metrics.add(Counter::DeadLettered, 1);
                     }
                     Ok(()) => {
-                        Metrics::add(&queue.metrics.retried, 1);
+                        queue.metrics.add(Counter::Retried, 1);
                         if let Some(p) = given_back(&queue.table, id, action) {
                             queue.head.gave_back(p);
                         }
@@ -468,6 +472,11 @@ impl<B: Backend, T> Delivery<B, T> {
             Some(Hold::Lease(h)) => h.renewer().renew().await,
             _ => Ok(()),
         }
+    }
+
+    /// The row's due time (unix ms) as the claim read it, where the table has one.
+    pub(crate) fn due_ms(&self) -> Option<i64> {
+        self.position.due_ms
     }
 
     /// How many settlements of this row failed in a row before this delivery (the engine backs
@@ -625,12 +634,11 @@ impl<B: Backend, T> Delivery<B, T> {
         if let Some(p) = given_back(table, self.id, action) {
             queue.head.gave_back(p);
         }
-        let m = &queue.metrics;
-        Metrics::add(
+        queue.metrics.add(
             match action {
-                Action::Ack => &m.acked,
-                Action::Retry { .. } => &m.retried,
-                Action::DeadLetter => &m.dead_lettered,
+                Action::Ack => Counter::Acked,
+                Action::Retry { .. } => Counter::Retried,
+                Action::DeadLetter => Counter::DeadLettered,
             },
             1,
         );

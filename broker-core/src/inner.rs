@@ -13,7 +13,7 @@ use crate::claim_mode::ClaimMode;
 use crate::driver::{Action, Backend, Candidate, ErrorClass};
 use crate::error::SqlxBrokerError;
 use crate::head::Head;
-use crate::metrics::Metrics;
+use crate::metrics::{Counter, Metrics};
 use crate::table::TableDescription;
 
 #[derive(Debug)]
@@ -123,8 +123,8 @@ impl<B: Backend> Shared<B> {
         Self {
             broker,
             head: Head::new(&table),
+            metrics: Metrics::new(table.name()),
             table,
-            metrics: Metrics::default(),
             candidates: CandidateCache::default(),
             key_cursor: Mutex::new(None),
             settle_failures: SettleFailures::default(),
@@ -142,10 +142,10 @@ impl<B: Backend> Shared<B> {
         let m = &self.metrics;
         match error {
             SqlxBrokerError::LeaseLost { .. } | SqlxBrokerError::ClaimLost { .. } => {
-                return Metrics::add(&m.lease_lost, 1);
+                return m.add(Counter::LeaseLost, 1);
             }
-            SqlxBrokerError::RowGone { .. } => return Metrics::add(&m.gone, 1),
-            _ => Metrics::add(&m.settle_failed, 1),
+            SqlxBrokerError::RowGone { .. } => return m.add(Counter::Gone, 1),
+            _ => m.add(Counter::SettleFailed, 1),
         }
         if !matches!(error, SqlxBrokerError::Statement { .. }) {
             return;

@@ -1,48 +1,172 @@
-//! Counters a user can read.
+//! Counters a user can read ([`MetricsSnapshot`]), and, with the `metrics` feature (on by
+//! default), the same counters, the histograms and the gauges exported through the [`metrics`
+//! crate](https://docs.rs/metrics)'s facade, labelled by table.
+//!
+//! | name | kind | what |
+//! |---|---|---|
+//! | `sqlx_broker_claimed_total` and one `sqlx_broker_<outcome>_total` per field of [`MetricsSnapshot`] | counter | as the field |
+//! | `sqlx_broker_handler_seconds` | histogram | how long handlers ran |
+//! | `sqlx_broker_claim_seconds` | histogram | one claim's round trips, from its start to its rows |
+//! | `sqlx_broker_due_to_start_seconds` | histogram | from a row's due time to its handler's start (rows with a due time) |
+//! | `sqlx_broker_in_work` | gauge | deliveries whose handler runs now |
+//!
+//! Handles are made when a queue is prepared: install the recorder (the exporter) before
+//! preparing queues.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The counters of [`MetricsSnapshot`], by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counter {
+    Claimed,
+    Acked,
+    Retried,
+    DeadLettered,
+    LeaseLost,
+    HandlerErrors,
+    Panics,
+    ClaimErrors,
+    DecodeErrors,
+    SettleFailed,
+    Gone,
+    Released,
+    BatchedAcks,
+}
+
+impl Counter {
+    const ALL: [Counter; 13] = [
+        Counter::Claimed,
+        Counter::Acked,
+        Counter::Retried,
+        Counter::DeadLettered,
+        Counter::LeaseLost,
+        Counter::HandlerErrors,
+        Counter::Panics,
+        Counter::ClaimErrors,
+        Counter::DecodeErrors,
+        Counter::SettleFailed,
+        Counter::Gone,
+        Counter::Released,
+        Counter::BatchedAcks,
+    ];
+
+    /// The exported counter's name.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    fn name(self) -> &'static str {
+        match self {
+            Self::Claimed => "sqlx_broker_claimed_total",
+            Self::Acked => "sqlx_broker_acked_total",
+            Self::Retried => "sqlx_broker_retried_total",
+            Self::DeadLettered => "sqlx_broker_dead_lettered_total",
+            Self::LeaseLost => "sqlx_broker_lease_lost_total",
+            Self::HandlerErrors => "sqlx_broker_handler_errors_total",
+            Self::Panics => "sqlx_broker_panics_total",
+            Self::ClaimErrors => "sqlx_broker_claim_errors_total",
+            Self::DecodeErrors => "sqlx_broker_decode_errors_total",
+            Self::SettleFailed => "sqlx_broker_settle_failed_total",
+            Self::Gone => "sqlx_broker_gone_total",
+            Self::Released => "sqlx_broker_released_total",
+            Self::BatchedAcks => "sqlx_broker_batched_acks_total",
+        }
+    }
+}
+
 /// Live counters of one queue (shared by every subscription and manual claim on it).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Metrics {
-    pub(crate) claimed: AtomicU64,
-    pub(crate) acked: AtomicU64,
-    pub(crate) retried: AtomicU64,
-    pub(crate) dead_lettered: AtomicU64,
-    pub(crate) lease_lost: AtomicU64,
+    counters: [AtomicU64; Counter::ALL.len()],
     pub(crate) in_work: AtomicU64,
-    pub(crate) handler_errors: AtomicU64,
-    pub(crate) panics: AtomicU64,
-    pub(crate) claim_errors: AtomicU64,
-    pub(crate) decode_errors: AtomicU64,
-    pub(crate) settle_failed: AtomicU64,
-    pub(crate) gone: AtomicU64,
-    pub(crate) released: AtomicU64,
-    pub(crate) batched_acks: AtomicU64,
+    #[cfg(feature = "metrics")]
+    export: Export,
+}
+
+/// The queue's handles in the `metrics` facade.
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct Export {
+    counters: Vec<metrics::Counter>,
+    handler: metrics::Histogram,
+    claim: metrics::Histogram,
+    due_to_start: metrics::Histogram,
+    in_work: metrics::Gauge,
 }
 
 impl Metrics {
-    pub(crate) fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+    /// The counters of the queue on `table`.
+    pub(crate) fn new(table: &str) -> Self {
+        #[cfg(not(feature = "metrics"))]
+        let _ = table;
+        Self {
+            counters: Default::default(),
+            in_work: AtomicU64::new(0),
+            #[cfg(feature = "metrics")]
+            export: {
+                let label = || [("table", table.to_owned())];
+                Export {
+                    counters: Counter::ALL
+                        .iter()
+                        .map(|c| metrics::counter!(c.name(), &label()))
+                        .collect(),
+                    handler: metrics::histogram!("sqlx_broker_handler_seconds", &label()),
+                    claim: metrics::histogram!("sqlx_broker_claim_seconds", &label()),
+                    due_to_start: metrics::histogram!("sqlx_broker_due_to_start_seconds", &label()),
+                    in_work: metrics::gauge!("sqlx_broker_in_work", &label()),
+                }
+            },
+        }
+    }
+
+    /// Adds `n` to a counter.
+    pub(crate) fn add(&self, counter: Counter, n: u64) {
+        self.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        self.export.counters[counter as usize].increment(n);
+    }
+
+    fn get(&self, counter: Counter) -> u64 {
+        self.counters[counter as usize].load(Ordering::Relaxed)
+    }
+
+    /// A handler ran for `seconds`.
+    pub(crate) fn handler_ran(&self, seconds: f64) {
+        #[cfg(feature = "metrics")]
+        self.export.handler.record(seconds);
+        #[cfg(not(feature = "metrics"))]
+        let _ = seconds;
+    }
+
+    /// A claim took `seconds` from its start to its rows.
+    pub(crate) fn claim_took(&self, seconds: f64) {
+        #[cfg(feature = "metrics")]
+        self.export.claim.record(seconds);
+        #[cfg(not(feature = "metrics"))]
+        let _ = seconds;
+    }
+
+    /// A handler started `seconds` after its row's due time.
+    pub(crate) fn started_after_due(&self, seconds: f64) {
+        #[cfg(feature = "metrics")]
+        self.export.due_to_start.record(seconds.max(0.0));
+        #[cfg(not(feature = "metrics"))]
+        let _ = seconds;
     }
 
     pub(crate) fn snapshot(&self) -> MetricsSnapshot {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {
-            claimed: get(&self.claimed),
-            acked: get(&self.acked),
-            retried: get(&self.retried),
-            dead_lettered: get(&self.dead_lettered),
-            lease_lost: get(&self.lease_lost),
-            in_work: get(&self.in_work),
-            handler_errors: get(&self.handler_errors),
-            panics: get(&self.panics),
-            claim_errors: get(&self.claim_errors),
-            decode_errors: get(&self.decode_errors),
-            settle_failed: get(&self.settle_failed),
-            gone: get(&self.gone),
-            released: get(&self.released),
-            batched_acks: get(&self.batched_acks),
+            claimed: self.get(Counter::Claimed),
+            acked: self.get(Counter::Acked),
+            retried: self.get(Counter::Retried),
+            dead_lettered: self.get(Counter::DeadLettered),
+            lease_lost: self.get(Counter::LeaseLost),
+            in_work: self.in_work.load(Ordering::Relaxed),
+            handler_errors: self.get(Counter::HandlerErrors),
+            panics: self.get(Counter::Panics),
+            claim_errors: self.get(Counter::ClaimErrors),
+            decode_errors: self.get(Counter::DecodeErrors),
+            settle_failed: self.get(Counter::SettleFailed),
+            gone: self.get(Counter::Gone),
+            released: self.get(Counter::Released),
+            batched_acks: self.get(Counter::BatchedAcks),
         }
     }
 }
@@ -99,18 +223,23 @@ pub struct MetricsSnapshot {
     pub batched_acks: u64,
 }
 
-/// Decrements `in_work` when a delivery leaves work, however it leaves.
-pub(crate) struct InWork<'a>(&'a AtomicU64);
+/// Counts a delivery in `in_work` (and the exported gauge) until it leaves work, however it
+/// leaves.
+pub(crate) struct InWork<'a>(&'a Metrics);
 
 impl<'a> InWork<'a> {
-    pub(crate) fn enter(counter: &'a AtomicU64) -> Self {
-        counter.fetch_add(1, Ordering::Relaxed);
-        Self(counter)
+    pub(crate) fn enter(metrics: &'a Metrics) -> Self {
+        metrics.in_work.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        metrics.export.in_work.increment(1.0);
+        Self(metrics)
     }
 }
 
 impl Drop for InWork<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_work.fetch_sub(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        self.0.export.in_work.decrement(1.0);
     }
 }

@@ -130,6 +130,8 @@ pub struct PublishPlan {
     priority: bool,
     due: bool,
     extra: Vec<String>,
+    /// The host's clock when the plan was made: the due time of jobs that set none.
+    now_ms: i64,
 }
 
 impl PublishPlan {
@@ -185,6 +187,7 @@ impl PublishPlan {
             priority,
             due,
             extra,
+            now_ms: clock::now_ms(),
         })
     }
 
@@ -198,7 +201,9 @@ impl PublishPlan {
         self.columns.len()
     }
 
-    /// The values of one job after its payload, in column order (an unset priority is 0).
+    /// The values of one job after its payload, in column order (an unset priority is 0, an
+    /// unset due time the host's clock at the publish: when the row became due, from which the
+    /// queue's lag and the time to its handler's start are measured).
     pub fn values<P>(&self, job: &NewJob<P>) -> Vec<Value> {
         let mut out = Vec::with_capacity(self.columns.len());
         if self.group {
@@ -208,7 +213,7 @@ impl PublishPlan {
             out.push(Value::BigInt(job.priority.unwrap_or(0)));
         }
         if self.due {
-            out.push(job.due_ms.into());
+            out.push(Value::BigInt(job.due_ms.unwrap_or(self.now_ms)));
         }
         for c in &self.extra {
             let v = job

@@ -19,7 +19,7 @@ use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction, Outcome};
 use crate::driver::Backend;
 use crate::error::SqlxBrokerError;
-use crate::metrics::{InWork, Metrics, MetricsSnapshot};
+use crate::metrics::{Counter, InWork, MetricsSnapshot};
 use crate::mode::QueueInner;
 use crate::table::TableDescription;
 
@@ -967,7 +967,7 @@ where
                 (next, rows)
             }
             Err(e) => {
-                Metrics::add(&self.queue.shared.metrics.claim_errors, 1);
+                self.queue.shared.metrics.add(Counter::ClaimErrors, 1);
                 let failing = self.set_health(Some(e.to_string()));
                 let wait = claim_backoff(self.options.poll_interval, failing);
                 tracing::warn!(parent: &self.span, error = %e, in_a_row = failing, ?wait, "claim failed; trying again after a backoff");
@@ -1074,16 +1074,25 @@ async fn work<B, T>(
             .acquire_owned()
             .await
             .expect("the slot semaphore is never closed");
-        let in_work = InWork::enter(&inner.metrics.in_work);
+        let in_work = InWork::enter(&inner.metrics);
+        if let Some(due) = delivery.due_ms() {
+            // Whole milliseconds: exact in an f64 for any due time.
+            #[allow(clippy::cast_precision_loss)]
+            inner
+                .metrics
+                .started_after_due((crate::driver::clock::now_ms() - due) as f64 / 1000.0);
+        }
         let job = delivery.take_job();
         let lent = if engine.handler.lends_transaction {
             delivery.lend_transaction()
         } else {
             None
         };
+        let started = std::time::Instant::now();
         let result = CatchUnwind((engine.handler.f)(job, lent.clone()))
             .instrument(span.clone())
             .await;
+        inner.metrics.handler_ran(started.elapsed().as_secs_f64());
         if let Some(lent) = lent {
             delivery.take_back(lent);
         }
@@ -1118,12 +1127,12 @@ async fn work<B, T>(
         }
         Ok(Ok(outcome)) => outcome,
         Ok(Err(e)) => {
-            Metrics::add(&inner.metrics.handler_errors, 1);
+            inner.metrics.add(Counter::HandlerErrors, 1);
             tracing::warn!(parent: &span, error = %e, "handler failed; retrying");
             backoff_due(attempt)
         }
         Err(panic) => {
-            Metrics::add(&inner.metrics.panics, 1);
+            inner.metrics.add(Counter::Panics, 1);
             tracing::error!(parent: &span, panic = panic_message(&panic), "handler panicked; retrying");
             backoff_due(attempt)
         }

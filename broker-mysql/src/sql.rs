@@ -348,6 +348,10 @@ impl Statements {
         if let (true, Some(g)) = (t.fifo(), t.group()) {
             aliases_tail.push_str(&format!(", CAST({} AS CHAR) AS {GROUP_ALIAS}", col(g)));
         }
+        // The due time, for the time from a row's due time to its handler's start.
+        if let Some(c) = t.due_at() {
+            aliases_tail.push_str(&format!(", {} AS {}", read_ms(&col(c)), alias::DUE));
+        }
         Self {
             table,
             id,

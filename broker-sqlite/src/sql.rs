@@ -90,6 +90,10 @@ impl Statements {
         if let Some((p, _)) = t.payload() {
             returning_tail.push_str(&format!(", {} AS {}", ident(p), alias::PAYLOAD));
         }
+        // The due time (unix ms), for the time from a row's due time to its handler's start.
+        if let Some(c) = t.due_at() {
+            returning_tail.push_str(&format!(", {} AS {}", ident(c), alias::DUE));
+        }
         Self {
             table,
             id,

@@ -18,7 +18,7 @@ use crate::driver::clock;
 use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
-use crate::metrics::Metrics;
+use crate::metrics::Counter;
 
 /// The most acks one statement settles.
 const MAX_ACK_BATCH: usize = 64;
@@ -342,7 +342,7 @@ impl<B: Backend> LeaseHold<B> {
         let settled = match batched {
             Some((acked, batched)) => {
                 if acked && batched {
-                    Metrics::add(&self.shared.metrics.batched_acks, 1);
+                    self.shared.metrics.add(Counter::BatchedAcks, 1);
                 }
                 Ok(acked)
             }

@@ -13,7 +13,7 @@ use crate::driver::clock;
 use crate::driver::{Backend, ClaimedRow, Prepared, RowLockStrategy, Settle};
 use crate::error::Result;
 use crate::inner::Shared;
-use crate::metrics::Metrics;
+use crate::metrics::Counter;
 
 /// A prepared table: what it shares with its deliveries, and its mode's strategy.
 pub(crate) struct QueueInner<B: Backend> {
@@ -78,7 +78,7 @@ impl<B: Backend> QueueInner<B> {
                 .map(|(row, hold)| (row, Hold::Key(hold)))
                 .collect(),
         };
-        Metrics::add(&shared.metrics.claimed, claimed.len() as u64);
+        shared.metrics.add(Counter::Claimed, claimed.len() as u64);
         // Advisory claims tell the head what their candidate reads found (its rows may be passed
         // over for held keys); the other modes take the first rows of the claim order.
         if !matches!(self.mode, Mode::Advisory(_))
