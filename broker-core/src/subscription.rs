@@ -318,13 +318,17 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
 }
 
 /// What a shutdown found.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
     /// Handlers that finished (and were settled) during shutdown.
     pub finished: usize,
     /// Handlers still running at the deadline, dropped (their rows released).
     pub dropped: usize,
+    /// The engine's own panic, if its task panicked (a bug in sqlx-broker: please report it).
+    /// The subscription had stopped claiming at that point; rows it held were given back as
+    /// their modes give back a dropped delivery's.
+    pub engine_panic: Option<String>,
 }
 
 /// A running subscription. Dropping it stops claiming and lets the engine wind down in the
@@ -366,7 +370,20 @@ impl Subscription {
     pub async fn shutdown(mut self) -> ShutdownReport {
         self.stop.send_replace(true);
         match self.task.take() {
-            Some(task) => task.await.unwrap_or_default(),
+            Some(task) => match task.await {
+                Ok(report) => report,
+                Err(e) => {
+                    let engine_panic = match e.try_into_panic() {
+                        Ok(panic) => panic_message(&panic).to_owned(),
+                        Err(e) => e.to_string(),
+                    };
+                    tracing::error!(panic = engine_panic, "the subscription's engine panicked");
+                    ShutdownReport {
+                        engine_panic: Some(engine_panic),
+                        ..ShutdownReport::default()
+                    }
+                }
+            },
             None => ShutdownReport::default(),
         }
     }
@@ -1218,6 +1235,19 @@ mod tests {
         );
         tokio::time::advance(Duration::from_secs(5)).await;
         assert_eq!(drained_wait(&options, Some(found)), Duration::from_secs(1));
+    }
+
+    #[tokio::test]
+    async fn an_engine_panic_comes_back_in_the_shutdown_report() {
+        let (stop, _) = watch::channel(false);
+        let sub = Subscription {
+            stop,
+            health: Arc::default(),
+            task: Some(tokio::spawn(async { panic!("the engine broke") })),
+            metrics: Arc::new(MetricsSnapshot::default),
+        };
+        let report = sub.shutdown().await;
+        assert_eq!(report.engine_panic.as_deref(), Some("the engine broke"));
     }
 
     #[test]
