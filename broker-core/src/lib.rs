@@ -104,11 +104,11 @@ pub use table::{
 pub mod api {
     pub use crate::{
         BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
-        DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, JobInfo, JobState, Page, Pause,
-        QueueStats, DoctorOptions, DoctorReport, HandlerResult,
-        Health, IntoOutcome, IsolationLevel, Job, JobTransaction, KeyPart, KeyTemplate,
-        MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Payload, Queue, Result, RowState,
-        RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status,
-        SubscribeOptions, Subscription, TableBuilder, TableDescription, TxGuard, Value,
+        DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
+        HandlerResult, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState, JobTransaction,
+        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Page, Pause,
+        Payload, Queue, QueueStats, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
+        ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
+        TableDescription, TxGuard, Value,
     };
 }

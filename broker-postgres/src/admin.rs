@@ -183,15 +183,15 @@ pub(crate) struct Admin<'a> {
 }
 
 impl Admin<'_> {
-    fn query(&self, sql: String) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    fn query(
+        &self,
+        sql: String,
+    ) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
         sqlx::query(AssertSqlSafe(sql)).persistent(self.prepared)
     }
 
     /// A connection in a transaction of its own.
-    async fn begin(
-        &self,
-        table: &str,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    async fn begin(&self, table: &str) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
         self.pool
             .begin()
             .await
@@ -257,8 +257,14 @@ impl Admin<'_> {
             scheduled: count(get(1)?),
             in_work: count(get(2)?),
             retrying: count(get(3)?),
-            finished: t.processed_at().map(|_| ()).and(get(4)?.map(|v| count(Some(v)))),
-            dead: t.dead_letter().map(|_| ()).and(get(5)?.map(|v| count(Some(v)))),
+            finished: t
+                .processed_at()
+                .map(|_| ())
+                .and(get(4)?.map(|v| count(Some(v)))),
+            dead: t
+                .dead_letter()
+                .map(|_| ())
+                .and(get(5)?.map(|v| count(Some(v)))),
             oldest_due_ms: get(6)?,
         })
     }
@@ -296,10 +302,7 @@ impl Admin<'_> {
         let f = Frag::new(t);
         let (unf, due, held) = (f.unfinished(), f.due(), f.held());
         let (from, filter) = match state {
-            JobState::Due => (
-                f.table.clone(),
-                format!("{unf} AND {due} AND NOT {held}"),
-            ),
+            JobState::Due => (f.table.clone(), format!("{unf} AND {due} AND NOT {held}")),
             JobState::Scheduled => (
                 f.table.clone(),
                 format!("{unf} AND NOT {due} AND NOT {held}"),
@@ -372,8 +375,8 @@ impl Admin<'_> {
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;
         rows.iter()
             .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
-                let mut info = JobInfo::new(r.try_get(0)?, r.try_get(1)?, state)
-                    .with_payload(r.try_get(7)?);
+                let mut info =
+                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
                 info.due_ms = r.try_get(2)?;
                 info.locked_until_ms = r.try_get(3)?;
                 info.finished_ms = r.try_get(4)?;
@@ -505,7 +508,11 @@ impl Admin<'_> {
         Ok(moved)
     }
 
-    pub(crate) async fn discard_dead(&self, t: &TableDescription, which: &DeadLetters) -> Result<u64> {
+    pub(crate) async fn discard_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+    ) -> Result<u64> {
         let f = Frag::new(t);
         let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
         let mut tx = self.begin(t.name()).await?;
@@ -595,7 +602,9 @@ impl Admin<'_> {
                     .map_err(err)?;
             if !locked {
                 let _ = conn.close().await;
-                return Ok(RowChange::InWork(format!("its advisory key \"{key}\" is held")));
+                return Ok(RowChange::InWork(format!(
+                    "its advisory key \"{key}\" is held"
+                )));
             }
             let n = sqlx::query(AssertSqlSafe(change))
                 .bind(now_ms)
@@ -611,7 +620,9 @@ impl Admin<'_> {
             }
             return self.why_not(t, id, now_ms).await;
         }
-        let n = self.execute(t, name, self.query(change).bind(now_ms).bind(id)).await?;
+        let n = self
+            .execute(t, name, self.query(change).bind(now_ms).bind(id))
+            .await?;
         if n > 0 {
             return Ok(RowChange::Done);
         }
@@ -635,7 +646,12 @@ impl Admin<'_> {
         }
     }
 
-    pub(crate) async fn cancel(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+    pub(crate) async fn cancel(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<RowChange> {
         let f = Frag::new(t);
         let sql = format!(
             "DELETE FROM {} AS q WHERE {} AND $1::int8 IS NOT NULL",
@@ -645,7 +661,12 @@ impl Admin<'_> {
         self.fenced(t, "cancel", id, now_ms, sql).await
     }
 
-    pub(crate) async fn run_now(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+    pub(crate) async fn run_now(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<RowChange> {
         let f = Frag::new(t);
         let Some(d) = t.due_at() else {
             // Without a due time every unfinished row is due.
@@ -670,7 +691,8 @@ impl Admin<'_> {
             f.table,
             ts("$1")
         );
-        self.execute(t, "purge", self.query(sql).bind(before_ms)).await
+        self.execute(t, "purge", self.query(sql).bind(before_ms))
+            .await
     }
 
     pub(crate) async fn record_error(
@@ -693,7 +715,9 @@ impl Admin<'_> {
         self.execute(
             t,
             "record error",
-            self.query(sql).bind(id).bind(last_error_text(error).to_owned()),
+            self.query(sql)
+                .bind(id)
+                .bind(last_error_text(error).to_owned()),
         )
         .await
         .map(drop)
@@ -711,7 +735,9 @@ impl Admin<'_> {
                 .bind(p.since_ms)
                 .bind(p.by.clone()),
             None => self
-                .query(format!("DELETE FROM {CONTROL_TABLE} WHERE queue = $1::text"))
+                .query(format!(
+                    "DELETE FROM {CONTROL_TABLE} WHERE queue = $1::text"
+                ))
                 .bind(table.to_owned()),
         };
         crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))

@@ -547,10 +547,7 @@ mod tests {
             .unwrap();
         let ddl = ddl(&t);
         let queue = &ddl[0];
-        let dead = ddl
-            .iter()
-            .find(|s| s.contains("\"jobs_dead\""))
-            .unwrap();
+        let dead = ddl.iter().find(|s| s.contains("\"jobs_dead\"")).unwrap();
         assert!(queue.contains("GENERATED ALWAYS AS IDENTITY"), "{queue}");
         assert!(!dead.contains("IDENTITY"), "{dead}");
         let names = |sql: &str| -> Vec<String> {

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use broker_core::{
-    ClaimMode, DeadLetter, DeadLetters, JobState, Outcome, Page, SqlxBrokerError,
-    SubscribeOptions, TableBuilder,
+    ClaimMode, DeadLetter, DeadLetters, JobState, Outcome, Page, SqlxBrokerError, SubscribeOptions,
+    TableBuilder,
 };
 
 use super::claim_one;
@@ -128,7 +128,10 @@ pub async fn cancel_and_run_now_are_refused_for_a_row_in_work_and_applied_otherw
     held.ack().await.expect("the delivery in work still acks");
     // A row in no delivery is cancelled: gone, and a second cancel says so.
     q.cancel(ids[1]).await.expect("cancel a due row");
-    assert!(q.row_state(ids[1]).await.unwrap().is_none(), "the cancelled row is gone");
+    assert!(
+        q.row_state(ids[1]).await.unwrap().is_none(),
+        "the cancelled row is gone"
+    );
     assert!(matches!(
         q.cancel(ids[1]).await.unwrap_err(),
         SqlxBrokerError::RowNotFound { .. }
@@ -147,14 +150,23 @@ pub async fn cancel_and_run_now_are_refused_for_a_row_in_work_and_applied_otherw
         got.push(d.id());
         d.ack().await.unwrap();
     }
-    assert!(got.contains(&later), "the scheduled row was claimed after run_now: {got:?}");
+    assert!(
+        got.contains(&later),
+        "the scheduled row was claimed after run_now: {got:?}"
+    );
     // A missing row, for each operation.
     for err in [
         q.cancel(987_654_321).await.unwrap_err(),
         q.run_now(987_654_321).await.unwrap_err(),
     ] {
         assert!(
-            matches!(err, SqlxBrokerError::RowNotFound { id: 987_654_321, .. }),
+            matches!(
+                err,
+                SqlxBrokerError::RowNotFound {
+                    id: 987_654_321,
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }
@@ -202,13 +214,20 @@ pub async fn a_requeued_dead_letter_runs_again_reading_attempt_one<D: TestDb>(mo
             assert_eq!(d.state, JobState::Dead);
             assert_eq!(d.attempt, 3, "two failed attempts counted");
             assert!(
-                d.last_error.as_deref().is_some_and(|e| e.contains("boom <b>bold</b>")),
+                d.last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("boom <b>bold</b>")),
                 "{d:?}"
             );
-            assert_eq!(d.payload.as_deref().map(|p| p.starts_with("job-")), Some(true));
+            assert_eq!(
+                d.payload.as_deref().map(|p| p.starts_with("job-")),
+                Some(true)
+            );
         }
         assert_eq!(
-            q.requeue_dead(DeadLetters::Ids(vec![ids[0]])).await.unwrap(),
+            q.requeue_dead(DeadLetters::Ids(vec![ids[0]]))
+                .await
+                .unwrap(),
             1
         );
         let again = claim_one::<D>(&q).await;
@@ -254,7 +273,12 @@ pub async fn a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them
     })
     .await;
     operator.pause("the operator").await.expect("pause");
-    let shown = operator.stats().await.unwrap().paused.expect("stats show the pause");
+    let shown = operator
+        .stats()
+        .await
+        .unwrap()
+        .paused
+        .expect("stats show the pause");
     assert_eq!(shown.by, "the operator");
     // Ten poll intervals for the pause to reach the subscription, then rows that must wait.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -267,22 +291,34 @@ pub async fn a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them
         "a paused queue's subscription claimed rows"
     );
     operator.resume().await.expect("resume");
-    wait_until("the rows published while paused acked", Duration::from_secs(10), || {
-        let q = q.clone();
-        async move { q.metrics().acked == 8 }
-    })
+    wait_until(
+        "the rows published while paused acked",
+        Duration::from_secs(10),
+        || {
+            let q = q.clone();
+            async move { q.metrics().acked == 8 }
+        },
+    )
     .await;
     // In this process a pause takes effect at once: no wait before the publish.
     q.pause("this process").await.expect("pause here");
     let before = q.metrics().claimed;
     fx.publish(&q, 2).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(q.metrics().claimed, before, "claims right after a local pause");
+    assert_eq!(
+        q.metrics().claimed,
+        before,
+        "claims right after a local pause"
+    );
     q.resume().await.expect("resume here");
-    wait_until("the rows acked after the resume", Duration::from_secs(10), || {
-        let q = q.clone();
-        async move { q.metrics().acked == 10 }
-    })
+    wait_until(
+        "the rows acked after the resume",
+        Duration::from_secs(10),
+        || {
+            let q = q.clone();
+            async move { q.metrics().acked == 10 }
+        },
+    )
     .await;
     sub.shutdown().await;
     assert!(operator.stats().await.unwrap().paused.is_none());
@@ -316,7 +352,10 @@ pub async fn bad_operations_are_refused_and_change_nothing<D: TestDb>() {
             .unwrap_err(),
         "empty",
     );
-    refused(q.jobs(JobState::Due, Page::first(0)).await.unwrap_err(), "1 to");
+    refused(
+        q.jobs(JobState::Due, Page::first(0)).await.unwrap_err(),
+        "1 to",
+    );
     refused(q.resume().await.unwrap_err(), "not paused");
     q.pause("first").await.unwrap();
     refused(q.pause("second").await.unwrap_err(), "paused already");
@@ -328,17 +367,30 @@ pub async fn bad_operations_are_refused_and_change_nothing<D: TestDb>() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, SqlxBrokerError::RowNotFound { id: 987_654_321, .. }),
+        matches!(
+            err,
+            SqlxBrokerError::RowNotFound {
+                id: 987_654_321,
+                ..
+            }
+        ),
         "{err:?}"
     );
     assert!(err.to_string().contains("dead letters"), "{err}");
     let s = q.stats().await.unwrap();
-    assert_eq!(s.dead.map(|c| c.rows), Some(1), "nothing was requeued: {s:?}");
+    assert_eq!(
+        s.dead.map(|c| c.rows),
+        Some(1),
+        "nothing was requeued: {s:?}"
+    );
     let err = q
         .discard_dead(DeadLetters::Ids(vec![987_654_321]))
         .await
         .unwrap_err();
-    assert!(matches!(err, SqlxBrokerError::RowNotFound { .. }), "{err:?}");
+    assert!(
+        matches!(err, SqlxBrokerError::RowNotFound { .. }),
+        "{err:?}"
+    );
     assert_eq!(q.discard_dead(DeadLetters::Ids(vec![id])).await.unwrap(), 1);
     assert_eq!(q.stats().await.unwrap().dead.map(|c| c.rows), Some(0));
     fx.cleanup().await;
@@ -350,7 +402,10 @@ pub async fn bad_operations_are_refused_and_change_nothing<D: TestDb>() {
         q.requeue_dead(DeadLetters::All).await.unwrap_err(),
         "dead-letter target",
     );
-    refused(q.dead_letters(Page::first(10)).await.unwrap_err(), "dead-letter target");
+    refused(
+        q.dead_letters(Page::first(10)).await.unwrap_err(),
+        "dead-letter target",
+    );
     refused(
         q.purge_finished(Duration::from_secs(1)).await.unwrap_err(),
         "acks delete",
@@ -385,12 +440,18 @@ pub async fn rows_are_listed_by_state_a_page_at_a_time_and_old_finished_rows_pur
     assert!(scheduled.iter().all(|j| j.due_ms.is_some()));
     let held = claim_one::<D>(&q).await;
     let in_work = q.jobs(JobState::InWork, Page::first(10)).await.unwrap();
-    assert_eq!(in_work.iter().map(|j| j.id).collect::<Vec<_>>(), [held.id()]);
+    assert_eq!(
+        in_work.iter().map(|j| j.id).collect::<Vec<_>>(),
+        [held.id()]
+    );
     held.ack().await.unwrap();
     let finished = q.jobs(JobState::Finished, Page::first(10)).await.unwrap();
     assert_eq!(finished.len(), 1);
     assert!(finished[0].finished_ms.is_some());
-    assert_eq!(q.purge_finished(Duration::from_secs(3600)).await.unwrap(), 0);
+    assert_eq!(
+        q.purge_finished(Duration::from_secs(3600)).await.unwrap(),
+        0
+    );
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(q.purge_finished(Duration::ZERO).await.unwrap(), 1);
     assert_eq!(q.stats().await.unwrap().finished.map(|c| c.rows), Some(0));
