@@ -58,6 +58,7 @@
 //!   one probe per group however many rows a group holds.
 //! - The lease claim's `RETURNING` hands rows back in no particular order.
 
+mod admin;
 mod advisory;
 mod backend;
 mod doctor;
