@@ -144,6 +144,7 @@
 //! the same statements (checked to be valid MySQL 8 syntax) and their differences are unit
 //! tested.
 
+mod admin;
 mod advisory;
 mod backend;
 mod doctor;
