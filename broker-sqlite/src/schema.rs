@@ -282,7 +282,7 @@ pub(crate) async fn check(
         {
             return Err(schema(
                 format!(
-                    "column \"{column}\" (last_error) is declared {declared}; it must be a TEXT column: it keeps the handler's error message"
+                    "column \"{column}\" (last_error) is declared {declared}; it must be a text column (TEXT): it keeps the handler's error message"
                 ),
                 "column check",
                 sqlx::Error::TypeNotFound {

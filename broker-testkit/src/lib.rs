@@ -68,6 +68,7 @@ macro_rules! conformance_suite {
             a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them,
             bad_operations_are_refused_and_change_nothing,
             rows_are_listed_by_state_a_page_at_a_time_and_old_finished_rows_purged,
+            a_last_error_column_that_is_not_text_is_a_schema_error_naming_it,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_suite_covers_what_the_backend_offers() {

@@ -457,3 +457,36 @@ pub async fn rows_are_listed_by_state_a_page_at_a_time_and_old_finished_rows_pur
     assert_eq!(q.stats().await.unwrap().finished.map(|c| c.rows), Some(0));
     fx.cleanup().await;
 }
+
+/// A `last_error` column that is not a text column is refused at startup, with an error naming
+/// the table and the column (an integer column would fail the first handler error instead).
+pub async fn a_last_error_column_that_is_not_text_is_a_schema_error_naming_it<D: TestDb>() {
+    let url = D::database().await;
+    let broker = D::connect(&url).await;
+    let name = crate::unique_name("errtype");
+    let ddl = broker_core::TableDescription::builder(name.as_str())
+        .payload("payload", broker_core::ColumnType::Text)
+        .column("last_error", broker_core::ColumnType::BigInt)
+        .locked_until("locked_until")
+        .build()
+        .unwrap();
+    broker.create_tables(&ddl).await.unwrap();
+    let wrong = broker_core::TableDescription::builder(name.as_str())
+        .payload("payload", broker_core::ColumnType::Text)
+        .locked_until("locked_until")
+        .last_error("last_error")
+        .build()
+        .unwrap();
+    let err = broker.queue::<D::Job>(wrong).await.unwrap_err();
+    assert!(matches!(err, SqlxBrokerError::Schema { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&name)
+            && msg.contains("\"last_error\"")
+            && msg.to_lowercase().contains("text"),
+        "{msg}"
+    );
+    broker.drop_tables(&ddl).await.unwrap();
+    broker.close().await;
+    D::drop_database(&url).await;
+}
