@@ -205,7 +205,9 @@ impl Admin<'_> {
             .due_at()
             .map(|d| ms_or_null(&f.col(d)))
             .unwrap_or_else(|| "NULL::int8".into());
-        // Advisory counts one delivery per held key; rows waiting behind it count as due.
+        // Advisory counts one delivery per held key with due rows; rows waiting behind it count
+        // as due. A held key without due rows (its delivery's row just put back for later, the
+        // key not unlocked yet) is no row in work: its rows are scheduled, and counted there.
         let (due_count, scheduled, in_work) = match t.mode() {
             ClaimMode::Advisory => {
                 let kh = format!("hashtextextended({}, 0)", f.key().expect("a key"));
@@ -215,7 +217,7 @@ impl Admin<'_> {
                          - count(DISTINCT {kh}) FILTER (WHERE {unf} AND {due} AND {held})"
                     ),
                     format!("count(*) FILTER (WHERE {unf} AND NOT {due})"),
-                    format!("count(DISTINCT {kh}) FILTER (WHERE {unf} AND {held})"),
+                    format!("count(DISTINCT {kh}) FILTER (WHERE {unf} AND {due} AND {held})"),
                 )
             }
             _ => (

@@ -187,6 +187,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@each $db; advisory;
             advisory_claims_past_heads_in_work_take_only_heads,
             a_row_passed_over_for_its_held_key_is_claimed_once_the_key_is_free,
+            a_held_key_with_only_scheduled_rows_counts_each_row_once,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );

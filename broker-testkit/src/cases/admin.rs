@@ -490,3 +490,36 @@ pub async fn a_last_error_column_that_is_not_text_is_a_schema_error_naming_it<D:
     broker.close().await;
     D::drop_database(&url).await;
 }
+
+/// A key still held while none of its rows is due (a delivery's row just put back for later,
+/// before its key is unlocked; here the delivery's row is deleted under it) is no row in work:
+/// its scheduled row counts as scheduled, once.
+pub async fn a_held_key_with_only_scheduled_rows_counts_each_row_once<D: TestDb>(mode: ClaimMode) {
+    let fx = Fixture::<D>::new(mode, |b| b).await;
+    let q = fx.queue().await;
+    let job =
+        |text: &str| broker_core::NewJob::new(D::Text::from(text.to_owned())).column("k", "same");
+    let first = q.publish(job("first")).await.expect("publish");
+    q.publish(job("later").run_after(Duration::from_secs(3600)))
+        .await
+        .expect("publish");
+    let held = claim_one::<D>(&q).await;
+    assert_eq!(held.id(), first);
+    D::execute(
+        &fx.broker,
+        &format!(
+            "DELETE FROM {} WHERE {} = {first}",
+            D::quote(fx.table.name()),
+            D::quote(fx.table.id())
+        ),
+    )
+    .await;
+    let s = q.stats().await.expect("stats");
+    assert_eq!(
+        (s.due.rows, s.scheduled.rows, s.in_work.rows),
+        (0, 1, 0),
+        "one scheduled row, under a key still held: {s:?}"
+    );
+    drop(held);
+    fx.cleanup().await;
+}
