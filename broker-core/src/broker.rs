@@ -7,6 +7,9 @@ use std::sync::atomic::Ordering;
 
 use sqlx::{Database, FromRow};
 
+use std::time::Duration;
+
+use crate::admin::{DeadLetters, JobInfo, JobState, Page, Pause, QueueStats, RowChange};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction};
 use crate::driver::{Backend, RowState};
@@ -308,6 +311,280 @@ impl<B: Backend, T> Queue<B, T> {
             .backend
             .publish(conn, &self.inner.shared.table, jobs)
             .await
+    }
+}
+
+/// Operating the queue: what it holds, and changes to rows outside the claim path (see
+/// [`admin`](crate::admin)). Each change is fenced like a settlement: a row a delivery holds is
+/// refused with [`SqlxBrokerError::RowInWork`], and nothing changes.
+impl<B: Backend, T> Queue<B, T> {
+    fn refused(&self, what: &'static str, why: impl Into<String>) -> SqlxBrokerError {
+        SqlxBrokerError::Refused {
+            table: self.inner.shared.name().to_owned(),
+            what,
+            why: why.into(),
+        }
+    }
+
+    fn backend(&self) -> &B {
+        &self.inner.shared.broker.backend
+    }
+
+    /// What the queue holds now, by state, with its lag and whether it is paused (see
+    /// [`QueueStats`]): one statement on the table (and its dead-letter table), which reads
+    /// through the claim index and takes no lock a claim waits for.
+    pub async fn stats(&self) -> Result<QueueStats> {
+        let table = &self.inner.shared.table;
+        let now = crate::driver::clock::now_ms();
+        let counts = self.backend().stats(table, now).await?;
+        let paused = match self.backend().pause_state(table.name()).await {
+            Ok(p) => p,
+            // No control table: nothing can have paused the queue.
+            Err(_) if !self.backend().has_control_table().await.unwrap_or(true) => None,
+            Err(e) => return Err(e),
+        };
+        Ok(QueueStats {
+            table: table.name().to_owned(),
+            mode: table.mode(),
+            due: counts.due,
+            scheduled: counts.scheduled,
+            in_work: counts.in_work,
+            retrying: counts.retrying,
+            dead: counts.dead,
+            finished: counts.finished,
+            oldest_due_ms: counts.oldest_due_ms,
+            read_at_ms: now,
+            paused,
+        })
+    }
+
+    /// The rows in `state`, by id, a page at a time (pass the last id of a page as the next
+    /// page's `after`).
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Refused`] for a page of 0 or more than [`Page::MAX`] rows, dead letters
+    /// of a table without a dead-letter target, and finished rows of a table whose acks delete.
+    pub async fn jobs(&self, state: JobState, page: Page) -> Result<Vec<JobInfo>> {
+        let table = &self.inner.shared.table;
+        if page.limit == 0 || page.limit > Page::MAX {
+            return Err(self.refused(
+                "listing rows",
+                format!(
+                    "a page of {} rows; ask for 1 to {} rows",
+                    page.limit,
+                    Page::MAX
+                ),
+            ));
+        }
+        if state == JobState::Dead && table.dead_letter().is_none() {
+            return Err(self.refused(
+                "listing dead letters",
+                "the table has no dead-letter target (add .dead_letter(..) and .max_attempts(..))",
+            ));
+        }
+        if state == JobState::Finished && table.processed_at().is_none() {
+            return Err(self.refused(
+                "listing finished rows",
+                "acks delete rows on this table (add .processed_at(..) to keep them)",
+            ));
+        }
+        self.backend()
+            .list(table, state, page, crate::driver::clock::now_ms())
+            .await
+    }
+
+    /// The dead letters, by id, a page at a time, with their attempt and last error.
+    pub async fn dead_letters(&self, page: Page) -> Result<Vec<JobInfo>> {
+        self.jobs(JobState::Dead, page).await
+    }
+
+    /// Checks a selection of dead letters before an operation on them.
+    fn check_dead(&self, what: &'static str, which: &DeadLetters) -> Result<()> {
+        let table = &self.inner.shared.table;
+        if table.dead_letter().is_none() {
+            return Err(self.refused(
+                what,
+                "the table has no dead-letter target, so it has no dead letters (add .dead_letter(..) and .max_attempts(..))",
+            ));
+        }
+        match which {
+            DeadLetters::Ids(ids) if ids.is_empty() => Err(self.refused(
+                what,
+                "the list of ids is empty; name at least one id, or use DeadLetters::All",
+            )),
+            DeadLetters::ErrorContains(text) if text.is_empty() => Err(self.refused(
+                what,
+                "the error text to match is empty; give some text, or use DeadLetters::All",
+            )),
+            DeadLetters::ErrorContains(_) if table.last_error().is_none() => Err(self.refused(
+                what,
+                "the table has no last_error column to match (add .last_error(..))",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Puts dead letters back in the queue, due now with attempt 1, and wakes this process's
+    /// subscriptions; returns how many. Safe to run twice: a requeued row is no longer a dead
+    /// letter. With [`DeadLetters::Ids`], every id must be a dead letter, or nothing changes
+    /// ([`SqlxBrokerError::RowNotFound`] names the first that is not).
+    pub async fn requeue_dead(&self, which: DeadLetters) -> Result<u64> {
+        self.check_dead("requeue", &which)?;
+        let n = self
+            .backend()
+            .requeue_dead(
+                &self.inner.shared.table,
+                &which,
+                crate::driver::clock::now_ms(),
+            )
+            .await?;
+        if n > 0 {
+            self.wake();
+        }
+        Ok(n)
+    }
+
+    /// Deletes dead letters for good; returns how many. With [`DeadLetters::Ids`], every id
+    /// must be a dead letter, or nothing changes.
+    pub async fn discard_dead(&self, which: DeadLetters) -> Result<u64> {
+        self.check_dead("discard", &which)?;
+        self.backend()
+            .discard_dead(&self.inner.shared.table, &which)
+            .await
+    }
+
+    fn row_change(&self, what: &'static str, id: i64, change: RowChange) -> Result<bool> {
+        let table = self.inner.shared.name().to_owned();
+        match change {
+            RowChange::Done => Ok(true),
+            RowChange::Unchanged => Ok(false),
+            RowChange::NotFound => Err(SqlxBrokerError::RowNotFound {
+                table,
+                id,
+                where_: " among the unfinished rows",
+            }),
+            RowChange::InWork(held) => Err(SqlxBrokerError::RowInWork {
+                table,
+                id,
+                held,
+                what,
+            }),
+        }
+    }
+
+    /// Takes unfinished row `id` out of the queue by deleting it (a cancelled row is gone; it
+    /// is not kept as a dead letter or a finished row).
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::RowInWork`] when a delivery holds the row (nothing changed),
+    /// [`SqlxBrokerError::RowNotFound`] when there is no such unfinished row.
+    pub async fn cancel(&self, id: i64) -> Result<()> {
+        let change = self
+            .backend()
+            .cancel(&self.inner.shared.table, id, crate::driver::clock::now_ms())
+            .await?;
+        self.row_change("cancel", id, change).map(drop)
+    }
+
+    /// Makes unfinished row `id` (scheduled, or waiting for a delayed retry) due now and wakes
+    /// this process's subscriptions; a row that is due already stays as it is.
+    ///
+    /// # Errors
+    /// As [`cancel`](Self::cancel).
+    pub async fn run_now(&self, id: i64) -> Result<()> {
+        let change = self
+            .backend()
+            .run_now(&self.inner.shared.table, id, crate::driver::clock::now_ms())
+            .await?;
+        if self.row_change("run now", id, change)? {
+            self.wake();
+        }
+        Ok(())
+    }
+
+    /// Deletes acked rows (kept with `processed_at`) acked more than `older_than` ago; returns
+    /// how many.
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Refused`] for a table whose acks delete rows.
+    pub async fn purge_finished(&self, older_than: Duration) -> Result<u64> {
+        let table = &self.inner.shared.table;
+        if table.processed_at().is_none() {
+            return Err(self.refused(
+                "purge",
+                "acks delete rows on this table, so there are no finished rows to purge",
+            ));
+        }
+        let now = crate::driver::clock::now_ms();
+        let older = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        self.backend()
+            .purge_finished(table, now.saturating_sub(older))
+            .await
+    }
+
+    /// Pauses the queue in every process: subscriptions of this process stop claiming at once,
+    /// those of other processes within their poll interval; rows in work finish, and publishes
+    /// are still accepted. `by` says who paused it (shown by `stats()` and the CLI). The state
+    /// lives in the control table ([`CONTROL_TABLE`](crate::driver::CONTROL_TABLE)) that
+    /// [`Broker::create_tables`] creates.
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Refused`] when the queue is paused already, or the control table is
+    /// missing.
+    pub async fn pause(&self, by: &str) -> Result<()> {
+        self.require_control("pause").await?;
+        let pause = Pause {
+            since_ms: crate::driver::clock::now_ms(),
+            by: by.to_owned(),
+        };
+        let name = self.inner.shared.name();
+        if !self.backend().set_pause(name, Some(&pause)).await? {
+            let since = match self.backend().pause_state(name).await? {
+                Some(p) => format!(" (since {} ms, by \"{}\")", p.since_ms, p.by),
+                None => String::new(),
+            };
+            return Err(self.refused(
+                "pause",
+                format!("the queue is paused already{since}; resume it first"),
+            ));
+        }
+        self.inner.shared.broker.pause_changed(name);
+        Ok(())
+    }
+
+    /// Resumes a paused queue in every process (at once in this one, within their poll interval
+    /// in others).
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Refused`] when the queue is not paused, or the control table is
+    /// missing.
+    pub async fn resume(&self) -> Result<()> {
+        self.require_control("resume").await?;
+        let name = self.inner.shared.name();
+        if !self.backend().set_pause(name, None).await? {
+            return Err(self.refused("resume", "the queue is not paused"));
+        }
+        self.inner.shared.broker.pause_changed(name);
+        Ok(())
+    }
+
+    /// Whether the queue is paused, since when and by whom.
+    pub async fn paused(&self) -> Result<Option<Pause>> {
+        self.require_control("reading the pause").await?;
+        self.backend().pause_state(self.inner.shared.name()).await
+    }
+
+    async fn require_control(&self, what: &'static str) -> Result<()> {
+        if self.backend().has_control_table().await? {
+            return Ok(());
+        }
+        Err(self.refused(
+            what,
+            format!(
+                "the control table {} is missing; create it with Broker::create_tables (or the DDL it prints)",
+                crate::driver::CONTROL_TABLE
+            ),
+        ))
     }
 }
 

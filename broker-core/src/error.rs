@@ -195,6 +195,47 @@ pub enum SqlxBrokerError {
         message: String,
     },
 
+    /// An operation on one row (cancel, run now, requeue) found no such row.
+    #[error(
+        "table \"{table}\": there is no row {id}{where_}; it was acked, cancelled or moved, or never existed (check the id)"
+    )]
+    RowNotFound {
+        /// The table.
+        table: String,
+        /// The row id.
+        id: i64,
+        /// Where it was looked for, with a leading space (e.g. " among the dead letters").
+        where_: &'static str,
+    },
+
+    /// An operation on one row was refused because a delivery holds the row now; nothing
+    /// changed.
+    #[error(
+        "table \"{table}\": row {id} is in work ({held}), so {what} changed nothing; try again once it is settled"
+    )]
+    RowInWork {
+        /// The table.
+        table: String,
+        /// The row id.
+        id: i64,
+        /// What holds it (e.g. "its lease runs until 12:00:03").
+        held: String,
+        /// What was refused (e.g. "cancel").
+        what: &'static str,
+    },
+
+    /// An operation the queue's state or description does not allow (pausing a paused queue,
+    /// dead letters of a table without a dead-letter target); nothing changed.
+    #[error("table \"{table}\": {what} is refused: {why}")]
+    Refused {
+        /// The table.
+        table: String,
+        /// What was asked (e.g. "pause").
+        what: &'static str,
+        /// Why, and what to do instead.
+        why: String,
+    },
+
     /// The broker or subscription has shut down.
     #[error("table \"{table}\": the broker is shut down; {what} was not carried out")]
     Closed {

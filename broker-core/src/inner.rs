@@ -29,6 +29,9 @@ pub(crate) struct BrokerInner<B: Backend> {
     /// Clean-up tasks of deliveries dropped without settlement (lease release, key unlock);
     /// shutdown waits for them.
     pub(crate) cleanups: Mutex<JoinSet<()>>,
+    /// Counts the pauses and resumes made through this broker, so its subscriptions read the
+    /// pause state again at once instead of at their next poll.
+    pub(crate) pause_epoch: std::sync::atomic::AtomicU64,
 }
 
 impl<B: Backend> BrokerInner<B> {
@@ -41,7 +44,14 @@ impl<B: Backend> BrokerInner<B> {
             wakers: Mutex::new(HashMap::new()),
             held_keys: Mutex::new(HashSet::new()),
             cleanups: Mutex::new(JoinSet::new()),
+            pause_epoch: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// A queue of this broker was paused or resumed: its subscriptions read the state again now.
+    pub(crate) fn pause_changed(&self, table: &str) {
+        self.pause_epoch.fetch_add(1, Ordering::SeqCst);
+        self.wake(table);
     }
 
     pub(crate) fn register_waker(&self, table: &str, wake: &Arc<Notify>) {

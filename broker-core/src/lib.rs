@@ -62,6 +62,7 @@
 //! Due times and lease expiries come from the host's clock in unix milliseconds; lease expiries
 //! are whole seconds, so a time column without fractions fences exactly.
 
+pub mod admin;
 mod broker;
 mod claim_mode;
 mod delivery;
@@ -77,6 +78,7 @@ mod publish;
 mod subscription;
 mod table;
 
+pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
 pub use broker::{Broker, Queue};
 pub use claim_mode::ClaimMode;
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
@@ -101,11 +103,12 @@ pub use table::{
 /// What backends implement lives in [`driver`] and is not part of it.
 pub mod api {
     pub use crate::{
-        BoxError, Broker, Check, ClaimMode, ColumnType, DEFAULT_LEASE_SECONDS,
-        DEFAULT_POLL_COOLDOWN, DeadLetter, Delivery, DoctorOptions, DoctorReport, HandlerResult,
-        Health, IntoOutcome, IsolationLevel, Job, JobTransaction, KeyPart, KeyTemplate,
-        MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Payload, Queue, Result, RowState,
-        RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status,
-        SubscribeOptions, Subscription, TableBuilder, TableDescription, TxGuard, Value,
+        BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
+        DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
+        HandlerResult, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState, JobTransaction,
+        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Page, Pause,
+        Payload, Queue, QueueStats, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
+        ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
+        TableDescription, TxGuard, Value,
     };
 }

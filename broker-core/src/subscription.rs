@@ -593,6 +593,72 @@ enum Next {
     Probe,
 }
 
+/// Whether a subscription's queue is paused, read from the control table at most once per poll
+/// interval, and at once after a pause or resume through this broker.
+struct PauseWatch {
+    paused: bool,
+    /// Whether the control table existed when the subscription started; without it nothing
+    /// can pause the queue, and nothing is read.
+    control: bool,
+    read_at: Option<tokio::time::Instant>,
+    /// The broker's pause counter at the last read.
+    epoch: u64,
+}
+
+impl PauseWatch {
+    async fn new<B: Backend>(shared: &crate::inner::Shared<B>) -> Self {
+        let control = match shared.broker.backend.has_control_table().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(table = shared.name(), error = %e, "cannot tell whether the control table exists; pauses from other processes are not seen");
+                false
+            }
+        };
+        if !control {
+            tracing::debug!(
+                table = shared.name(),
+                "no control table ({}): this subscription does not watch for pauses",
+                crate::driver::CONTROL_TABLE
+            );
+        }
+        Self {
+            paused: false,
+            control,
+            read_at: None,
+            epoch: shared.broker.pause_epoch.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Reads the pause again when the poll interval passed since the last read, or this broker
+    /// paused or resumed a queue since. A read that fails keeps the last state.
+    async fn refresh<B: Backend>(&mut self, shared: &crate::inner::Shared<B>, poll: Duration) {
+        if !self.control {
+            return;
+        }
+        let epoch = shared.broker.pause_epoch.load(Ordering::SeqCst);
+        let due = self
+            .read_at
+            .is_none_or(|at| at.elapsed() >= poll || epoch != self.epoch);
+        if !due {
+            return;
+        }
+        self.epoch = epoch;
+        self.read_at = Some(tokio::time::Instant::now());
+        match shared.broker.backend.pause_state(shared.name()).await {
+            Ok(state) => {
+                let paused = state.is_some();
+                if paused != self.paused {
+                    tracing::info!(table = shared.name(), paused, "the queue's pause changed");
+                }
+                self.paused = paused;
+            }
+            Err(e) => {
+                tracing::warn!(table = shared.name(), error = %e, "reading the queue's pause failed; keeping the last state");
+            }
+        }
+    }
+}
+
 /// What every delivery task of a subscription shares.
 struct Engine<B: Backend, T> {
     queue: Arc<QueueInner<B>>,
@@ -712,6 +778,9 @@ struct ClaimLoop<B: Backend, T> {
     /// When a claim last found rows: the wait after a drained claim grows with the time since
     /// (see [`drained_wait`]). `None` until a claim finds rows.
     last_found: Option<tokio::time::Instant>,
+    /// Whether the queue is paused (see [`Queue::pause`](crate::Queue::pause)): no claims
+    /// start while it is.
+    pause: PauseWatch,
     stop: watch::Receiver<bool>,
     broker_stop: watch::Receiver<bool>,
 }
@@ -763,6 +832,7 @@ where
         seq: 0,
         state_seq: 0,
         last_found: None,
+        pause: PauseWatch::new(&shared).await,
         broker_stop: shared.broker.shutdown.subscribe(),
         stop,
     };
@@ -787,6 +857,16 @@ where
     /// Claims until the subscription or the broker stops.
     async fn run(&mut self) {
         while !self.stopped() {
+            let was_paused = self.pause.paused;
+            self.pause
+                .refresh(&self.engine.queue.shared, self.engine.options.poll_interval)
+                .await;
+            if was_paused && !self.pause.paused {
+                // Resumed: look at once, as after a wake-up.
+                self.seq += 1;
+                self.state = Next::Probe;
+                self.state_seq = self.seq;
+            }
             match self.next_event().await {
                 Event::Stop | Event::TaskDone => {}
                 Event::Look => {
@@ -811,9 +891,14 @@ where
             self.plan.max_claims
         };
         let full = !drained && self.claims >= max_claims;
-        let wants_permits = !drained && !full;
+        let paused = self.pause.paused;
+        let wants_permits = !drained && !full && !paused;
+        // Paused: wait for a wake-up (a resume in this process) or the poll, then read the
+        // pause again.
+        let drained = drained || paused;
         let options = &self.engine.options;
         let wait = match self.engine.claim_errors_in_a_row() {
+            _ if paused => options.poll_interval,
             0 => drained_wait(options, self.last_found),
             failing => claim_backoff(options.poll_interval, failing),
         };
@@ -1137,6 +1222,13 @@ async fn work<B, T>(
             Outcome::RetryAfter(d)
         }
     };
+    // What the row's last_error column keeps, where the table has one.
+    let error_text = match &result {
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(panic) => Some(format!("panic: {}", panic_message(panic))),
+        Ok(Ok(_)) => None,
+    }
+    .filter(|_| inner.table.last_error().is_some());
     let outcome = match result {
         Ok(Ok(Outcome::RetryAfter(d))) if inner.table.due_at().is_none() && !d.is_zero() => {
             tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
@@ -1154,8 +1246,25 @@ async fn work<B, T>(
             backoff_due(attempt)
         }
     };
-    if let Err(e) = delivery.settle(outcome).await {
-        tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+    match delivery.settle(outcome).await {
+        Err(e) => {
+            tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+        }
+        Ok(()) => {
+            if let Some(text) = error_text {
+                // After the settlement, in a statement of its own: only failures pay for it.
+                let dead = crate::inner::attempts::retry_or_dead(&inner.table, attempt, None)
+                    == crate::driver::Action::DeadLetter;
+                let recorded = inner
+                    .broker
+                    .backend
+                    .record_error(&inner.table, id, &text, dead)
+                    .await;
+                if let Err(e) = recorded {
+                    tracing::warn!(parent: &span, error = %e, "writing the handler's error into the row failed");
+                }
+            }
+        }
     }
     drop(kept);
     drop(held);

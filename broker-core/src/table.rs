@@ -219,6 +219,7 @@ pub struct TableDescription {
     priority: Option<String>,
     due_at: Option<String>,
     processed_at: Option<String>,
+    last_error: Option<String>,
     lease_seconds: u32,
     isolation: Option<IsolationLevel>,
     max_attempts: Option<u32>,
@@ -246,6 +247,7 @@ impl TableDescription {
             priority: None,
             due_at: None,
             processed_at: None,
+            last_error: None,
             lease_seconds: None,
             isolation: None,
             max_attempts: None,
@@ -318,6 +320,10 @@ impl TableDescription {
     pub fn processed_at(&self) -> Option<&str> {
         self.processed_at.as_deref()
     }
+    /// The column a handler's last error is written into, if the table has one.
+    pub fn last_error(&self) -> Option<&str> {
+        self.last_error.as_deref()
+    }
     /// The columns that stay NULL while a row is unfinished: `processed_at` and a dead-letter
     /// mark column, those the table has. A row is unfinished (claimable in time, a FIFO head
     /// candidate) while all of them are NULL; empty when an ack deletes and a dead letter moves.
@@ -369,6 +375,7 @@ impl TableDescription {
             (self.priority.as_deref(), "priority"),
             (self.due_at.as_deref(), "due_at"),
             (self.processed_at.as_deref(), "processed_at"),
+            (self.last_error.as_deref(), "last_error"),
             (
                 match &self.dead_letter {
                     Some(DeadLetter::Column(c)) => Some(c.as_str()),
@@ -430,6 +437,7 @@ pub struct TableBuilder {
     priority: Option<String>,
     due_at: Option<String>,
     processed_at: Option<String>,
+    last_error: Option<String>,
     lease_seconds: Option<u32>,
     isolation: Option<IsolationLevel>,
     max_attempts: Option<u32>,
@@ -492,6 +500,14 @@ impl TableBuilder {
         self.processed_at = Some(column.into());
         self
     }
+    /// A text column that keeps the handler's last error (its message, cut to
+    /// [`LAST_ERROR_BYTES`](crate::admin::LAST_ERROR_BYTES)) when a delivery fails, for
+    /// [`Queue::jobs`](crate::Queue::jobs) and the dead letters to show. Written after the
+    /// settlement, in a statement of its own, only when a handler fails.
+    pub fn last_error(mut self, column: impl Into<String>) -> Self {
+        self.last_error = Some(column.into());
+        self
+    }
     /// The lease length in whole seconds (lease mode only; default 30).
     pub fn lease_seconds(mut self, seconds: u32) -> Self {
         self.lease_seconds = Some(seconds);
@@ -534,6 +550,7 @@ impl TableBuilder {
             (self.priority.as_ref(), "priority"),
             (self.due_at.as_ref(), "due_at"),
             (self.processed_at.as_ref(), "processed_at"),
+            (self.last_error.as_ref(), "last_error"),
             (
                 match &self.dead_letter {
                     Some(DeadLetter::Column(c)) => Some(c),
@@ -644,6 +661,7 @@ impl TableBuilder {
             priority: self.priority,
             due_at: self.due_at,
             processed_at: self.processed_at,
+            last_error: self.last_error,
             lease_seconds,
             isolation: self.isolation,
             max_attempts: self.max_attempts,

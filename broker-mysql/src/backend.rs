@@ -32,6 +32,9 @@ pub type MySqlBroker = Broker<MySqlBackend>;
 pub struct MySqlBackend {
     pool: MySqlPool,
     ids: Arc<OnceCell<IdStrategy>>,
+    /// Which server this is, once known (startup reads it; the admin operations read it
+    /// themselves when they run first).
+    flavor: Arc<OnceCell<Flavor>>,
 }
 
 /// How a publish learns the ids of the rows it inserted.
@@ -75,6 +78,7 @@ impl MySqlBackend {
         Self {
             pool,
             ids: Arc::new(OnceCell::new()),
+            flavor: Arc::new(OnceCell::new()),
         }
     }
 
@@ -127,6 +131,15 @@ impl MySqlBackend {
         Self {
             pool: self.pool,
             ids: Arc::new(ids),
+            flavor: self.flavor,
+        }
+    }
+
+    /// The admin operations on this backend's pool.
+    fn admin(&self) -> crate::admin::Admin<'_> {
+        crate::admin::Admin {
+            pool: &self.pool,
+            flavor: &self.flavor,
         }
     }
 
@@ -461,9 +474,16 @@ impl Backend for MySqlBackend {
     async fn execute_ddl(&self, statements: &[String]) -> Result<()> {
         let mut conn = Conn::acquire(&self.pool, "").await?;
         for sql in statements {
-            if let Err(e) = conn.execute(sqlx::AssertSqlSafe(sql.clone())).await {
-                conn.finish();
-                return Err(SqlxBrokerError::ddl(sql, e));
+            match conn.execute(sqlx::AssertSqlSafe(sql.clone())).await {
+                Ok(_) => {}
+                // No control table (the queue's tables were made by hand): no pause to delete.
+                Err(e)
+                    if crate::admin::is_unpause_ddl(sql)
+                        && crate::sql::error_number(&e) == Some(1146) => {}
+                Err(e) => {
+                    conn.finish();
+                    return Err(SqlxBrokerError::ddl(sql, e));
+                }
             }
         }
         conn.finish();
@@ -476,6 +496,85 @@ impl Backend for MySqlBackend {
         options: &broker_core::DoctorOptions,
     ) -> Vec<broker_core::Check> {
         crate::doctor::checks(&self.pool, table, options).await
+    }
+
+    async fn stats(
+        &self,
+        table: &TableDescription,
+        now_ms: i64,
+    ) -> Result<broker_core::driver::StatsCounts> {
+        self.admin().stats(table, now_ms).await
+    }
+
+    async fn list(
+        &self,
+        table: &TableDescription,
+        state: broker_core::JobState,
+        page: broker_core::Page,
+        now_ms: i64,
+    ) -> Result<Vec<broker_core::JobInfo>> {
+        self.admin().list(table, state, page, now_ms).await
+    }
+
+    async fn requeue_dead(
+        &self,
+        table: &TableDescription,
+        which: &broker_core::DeadLetters,
+        now_ms: i64,
+    ) -> Result<u64> {
+        self.admin().requeue_dead(table, which, now_ms).await
+    }
+
+    async fn discard_dead(
+        &self,
+        table: &TableDescription,
+        which: &broker_core::DeadLetters,
+    ) -> Result<u64> {
+        self.admin().discard_dead(table, which).await
+    }
+
+    async fn cancel(
+        &self,
+        table: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<broker_core::admin::RowChange> {
+        self.admin().cancel(table, id, now_ms).await
+    }
+
+    async fn run_now(
+        &self,
+        table: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<broker_core::admin::RowChange> {
+        self.admin().run_now(table, id, now_ms).await
+    }
+
+    async fn purge_finished(&self, table: &TableDescription, before_ms: i64) -> Result<u64> {
+        self.admin().purge_finished(table, before_ms).await
+    }
+
+    async fn record_error(
+        &self,
+        table: &TableDescription,
+        id: i64,
+        error: &str,
+        dead: bool,
+    ) -> Result<()> {
+        self.admin().record_error(table, id, error, dead).await
+    }
+
+    async fn set_pause(&self, table: &str, pause: Option<&broker_core::Pause>) -> Result<bool> {
+        self.admin().set_pause(table, pause).await
+    }
+
+    async fn pause_state(&self, table: &str) -> Result<Option<broker_core::Pause>> {
+        self.admin().pause_state(table).await
+    }
+
+    async fn has_control_table(&self) -> Result<bool> {
+        self.admin().has_control_table().await
     }
 
     async fn listen(
@@ -506,6 +605,7 @@ impl MySqlBackend {
         .await
         .map_err(|e| SqlxBrokerError::statement(name, "version", e))?;
         let server = version::check(&found)?;
+        let _ = self.flavor.set(server.flavor);
         let Some(database) = database else {
             return Err(SqlxBrokerError::Setup {
                 table: name.to_owned(),

@@ -117,6 +117,14 @@
 //!   statement there. The id column must be `AUTO_INCREMENT` for publishes through the broker.
 //! - **No cross-process wake-ups**: MySQL has no LISTEN/NOTIFY. Publishes through a broker wake
 //!   its own subscriptions at once; other processes find rows at their next poll.
+//! - **Rows in work** in `queue.stats()` and `queue.jobs(..)`: a lease not run out; an advisory
+//!   key in use (`IS_USED_LOCK` on the claim's lock name, one row per held key); under row lock,
+//!   neither server lists other transactions' row locks on every supported version, so a row is
+//!   in work when a shared locking read with `SKIP LOCKED` through the primary key passes over
+//!   it (`LOCK IN SHARE MODE SKIP LOCKED` on MariaDB, `FOR SHARE SKIP LOCKED` on MySQL). That
+//!   read waits for nothing, but holds a shared lock on each free row for its statement, which a
+//!   claim at that moment passes over. Exact for deliveries; a row another open transaction
+//!   locked counts too. Cancel and run-now of a row in work are refused, never waited for.
 //!
 //! # Advisory lock names
 //! Keys belong to the database, not the table: a key is locked under `"<database>:<key>"`, so
@@ -144,6 +152,7 @@
 //! the same statements (checked to be valid MySQL 8 syntax) and their differences are unit
 //! tested.
 
+mod admin;
 mod advisory;
 mod backend;
 mod doctor;

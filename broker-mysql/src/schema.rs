@@ -49,6 +49,9 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
         // Indexed, so it needs a bounded length.
         cols.push(format!("{} VARCHAR(255) NULL", ident(g)));
     }
+    if let Some(e) = t.last_error() {
+        cols.push(format!("{} TEXT NULL", ident(e)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(p)));
     }
@@ -107,6 +110,8 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
             columns(t, false).join(", ")
         ));
     }
+    // Which queues are paused, shared by every queue of the database.
+    out.push(crate::admin::control_ddl());
     out
 }
 
@@ -253,11 +258,22 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!("DROP TABLE IF EXISTS {}", ident(d)));
     }
+    // A pause of the dropped queue goes with it (the control table stays: other queues share
+    // it), so a table created again under the name does not start paused.
+    out.push(crate::admin::unpause_ddl(t.name()));
     out
 }
 
 const INTEGER_TYPES: &[&str] = &["tinyint", "smallint", "mediumint", "int", "bigint"];
 const TIME_TYPES: &[&str] = &["datetime", "timestamp"];
+const TEXT_TYPES: &[&str] = &[
+    "char",
+    "varchar",
+    "tinytext",
+    "text",
+    "mediumtext",
+    "longtext",
+];
 
 /// The index the FIFO guard reads a group through: `sqlx_broker_group` if the table has it, else
 /// another index that starts with the group column. `None` for tables that are not FIFO; an error
@@ -410,6 +426,17 @@ pub(crate) async fn check_table(
             });
         }
     }
+    if let Some(column) = t.last_error()
+        && let Some(ty) = declared(column)
+        && !TEXT_TYPES.contains(&ty.as_str())
+    {
+        return Err(mismatch(
+            column,
+            "last_error",
+            ty,
+            "a text column (TEXT or VARCHAR): it keeps the handler's error message",
+        ));
+    }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         prepare(conn, format!("SELECT * FROM {} LIMIT 0", ident(d)))
             .await
@@ -466,7 +493,8 @@ mod tests {
             .build()
             .unwrap();
         let ddl = ddl(&t);
-        assert_eq!(ddl.len(), 2);
+        assert_eq!(ddl.len(), 3);
+        assert!(ddl[2].contains("sqlx_broker_control"), "{}", ddl[2]);
         let queue = &ddl[0];
         assert!(
             queue.contains("`id` BIGINT NOT NULL AUTO_INCREMENT"),
@@ -514,7 +542,9 @@ mod tests {
             drop_ddl(&t),
             vec![
                 "DROP TABLE IF EXISTS `jobs`",
-                "DROP TABLE IF EXISTS `jobs_dead`"
+                "DROP TABLE IF EXISTS `jobs_dead`",
+                "DELETE FROM sqlx_broker_control WHERE queue = \
+                 CONVERT(X'6a6f6273' USING utf8mb4) COLLATE utf8mb4_bin"
             ]
         );
     }

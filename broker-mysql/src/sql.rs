@@ -35,7 +35,7 @@ pub(crate) const RELEASE_WRITES: &str = "RELEASE SAVEPOINT sqlx_broker_writes";
 /// `UNIX_TIMESTAMP`: the arithmetic ignores the session time zone for DATETIME columns, and
 /// MariaDB before 11.5 returns NULL from `FROM_UNIXTIME` past 2038, which would make a job
 /// scheduled for 2040 due at once.
-const EPOCH6: &str = "CAST('1970-01-01 00:00:00' AS DATETIME(6))";
+pub(crate) const EPOCH6: &str = "CAST('1970-01-01 00:00:00' AS DATETIME(6))";
 /// The epoch as DATETIME without fractions, for lease expiries (whole seconds).
 pub(crate) const EPOCH0: &str = "CAST('1970-01-01 00:00:00' AS DATETIME)";
 

@@ -69,6 +69,43 @@ async fn a_key_longer_than_64_characters_locks_and_unlocks_by_its_hash() {
     fx.cleanup().await;
 }
 
+/// `stats()` asks each key's lock by the name the claim locks it under, computed in SQL: kept
+/// as `"<database>:<key>"`, or hashed past 64 characters or for a character outside the Basic
+/// Multilingual Plane, with quotes and backslashes in the key taken as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stats_find_held_keys_under_the_names_the_claims_lock() {
+    let fx = fixture(ClaimMode::Advisory, |b| b).await;
+    let q = fx.queue().await;
+    let long = "é".repeat(70);
+    let keys = [long.as_str(), long.as_str(), "party-🎉", "a'b\\c", "k1"];
+    for k in keys {
+        q.publish(NewJob::new("job".to_owned()).column("k", k.to_owned()))
+            .await
+            .unwrap();
+    }
+    let mut held = Vec::new();
+    for _ in 0..50 {
+        held.extend(q.claim(10).await.unwrap());
+        if held.len() >= 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(held.len(), 4, "one delivery per key");
+    let s = q.stats().await.unwrap();
+    assert_eq!(
+        (s.in_work.rows, s.due.rows),
+        (4, 1),
+        "every held key is found, the row behind the long one is due: {s:?}"
+    );
+    for d in held {
+        d.ack().await.unwrap();
+    }
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.in_work.rows, s.due.rows), (0, 1), "{s:?}");
+    fx.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_on_datetime_columns_without_fractions_still_fences() {
     let url = common::create_database().await;

@@ -125,6 +125,7 @@
 //!   crate does not turn on: depend on `sqlx` (0.9) yourself with the `json` feature, and
 //!   `derive` for `#[derive(sqlx::FromRow)]` row types (see `docs/typed-rows.md`).
 
+mod admin;
 mod advisory;
 mod backend;
 mod doctor;

@@ -59,6 +59,9 @@ fn columns(t: &TableDescription, identity: bool) -> Vec<String> {
     if let Some(g) = t.group() {
         cols.push(format!("{} TEXT", ident(g)));
     }
+    if let Some(e) = t.last_error() {
+        cols.push(format!("{} TEXT", ident(e)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(p)));
     }
@@ -124,6 +127,8 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
             columns(t, false).join(", ")
         ));
     }
+    // Which queues are paused, shared by every queue of the database.
+    out.push(crate::admin::control_ddl());
     out
 }
 
@@ -320,6 +325,14 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!("DROP TABLE IF EXISTS {}", ident(d)));
     }
+    // A pause of the dropped queue goes with it (the control table stays: other queues share
+    // it), so a table created again under the name does not start paused.
+    out.push(format!(
+        "DO $sqlx_broker$ BEGIN IF to_regclass('{c}') IS NOT NULL THEN \
+         DELETE FROM {c} WHERE queue = '{name}'; END IF; END $sqlx_broker$",
+        c = broker_core::driver::CONTROL_TABLE,
+        name = t.name().replace('\'', "''"),
+    ));
     out
 }
 
@@ -471,6 +484,17 @@ pub(crate) async fn check(
             ));
         }
     }
+    if let Some(column) = t.last_error()
+        && let Some(declared) = types.get(column)
+        && !(declared == "text" || declared.starts_with("character varying"))
+    {
+        return Err(mismatch(
+            column,
+            "last_error",
+            declared,
+            "a text column (TEXT or VARCHAR): it keeps the handler's error message",
+        ));
+    }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         let sql = format!("SELECT * FROM {} LIMIT 0", ident(d));
         probe(conn, sql, prepared).await.map_err(|e| {
@@ -523,7 +547,7 @@ mod tests {
             .unwrap();
         let ddl = ddl(&t);
         let queue = &ddl[0];
-        let dead = ddl.last().unwrap();
+        let dead = ddl.iter().find(|s| s.contains("\"jobs_dead\"")).unwrap();
         assert!(queue.contains("GENERATED ALWAYS AS IDENTITY"), "{queue}");
         assert!(!dead.contains("IDENTITY"), "{dead}");
         let names = |sql: &str| -> Vec<String> {

@@ -61,6 +61,16 @@ impl KeyTable {
             .contains(key)
     }
 
+    /// The keys held now.
+    pub(crate) fn held(&self) -> Vec<String> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
     /// How many keys are held now.
     pub(crate) fn len(&self) -> usize {
         self.held.lock().unwrap_or_else(|p| p.into_inner()).len()

@@ -57,7 +57,11 @@
 //!   interleave with another claim. A claim walks the groups in turn through the group index,
 //!   one probe per group however many rows a group holds.
 //! - The lease claim's `RETURNING` hands rows back in no particular order.
+//! - **Rows in work** in `queue.stats()` and `queue.jobs(..)`: a lease not run out, or an
+//!   advisory key this process holds (one row per held key). Another process's deliveries on the
+//!   same file hold keys this process does not see, so in advisory mode its rows count as due.
 
+mod admin;
 mod advisory;
 mod backend;
 mod doctor;

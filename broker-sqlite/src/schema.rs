@@ -40,6 +40,9 @@ fn columns(t: &TableDescription, autoincrement: bool) -> Vec<String> {
     if let Some(g) = t.group() {
         cols.push(format!("{} TEXT", ident(g)));
     }
+    if let Some(e) = t.last_error() {
+        cols.push(format!("{} TEXT", ident(e)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(p)));
     }
@@ -65,6 +68,8 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
             columns(t, false).join(", ")
         ));
     }
+    // Which queues are paused, shared by every queue of the database.
+    out.push(crate::admin::control_ddl());
     out
 }
 
@@ -191,7 +196,17 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!("DROP TABLE IF EXISTS {}", ident(d)));
     }
+    // A pause of the dropped queue goes with it (the control table stays: other queues share
+    // it), so a table created again under the name does not start paused.
+    out.push(crate::admin::unpause_ddl(t.name()));
     out
+}
+
+/// Whether SQLite gives a column declared `declared` text affinity (its rules: a type naming
+/// INT is an integer; one naming CHAR, CLOB or TEXT is text).
+fn has_text_affinity(declared: &str) -> bool {
+    let t = declared.to_ascii_uppercase();
+    !t.contains("INT") && (t.contains("CHAR") || t.contains("CLOB") || t.contains("TEXT"))
 }
 
 /// Checks that the table and each named column exist, that the id and attempt columns are
@@ -246,6 +261,28 @@ pub(crate) async fn check(
             return Err(schema(
                 format!(
                     "column \"{column}\" ({role}) is declared {declared}; it must be an INTEGER column"
+                ),
+                "column check",
+                sqlx::Error::TypeNotFound {
+                    type_name: declared,
+                },
+            ));
+        }
+    }
+    if let Some(column) = t.last_error() {
+        let declared: Option<String> =
+            sqlx::query_scalar("SELECT type FROM pragma_table_info(?1) WHERE name = ?2")
+                .bind(t.name())
+                .bind(column)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(|e| schema("cannot read the table's columns".into(), "column check", e))?;
+        if let Some(declared) = declared
+            && !has_text_affinity(&declared)
+        {
+            return Err(schema(
+                format!(
+                    "column \"{column}\" (last_error) is declared {declared}; it must be a text column (TEXT): it keeps the handler's error message"
                 ),
                 "column check",
                 sqlx::Error::TypeNotFound {

@@ -65,6 +65,10 @@ macro_rules! conformance_suite {
             a_publish_wakes_an_idle_subscription,
             a_null_key_value_is_delivered_under_the_empty_key,
             a_text_attempt_column_is_a_schema_error_naming_it,
+            a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them,
+            bad_operations_are_refused_and_change_nothing,
+            rows_are_listed_by_state_a_page_at_a_time_and_old_finished_rows_purged,
+            a_last_error_column_that_is_not_text_is_a_schema_error_naming_it,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_suite_covers_what_the_backend_offers() {
@@ -120,6 +124,9 @@ macro_rules! conformance_suite {
                 a_stopped_subscription_gives_its_kept_connections_back_at_once,
                 rows_inserted_by_plain_sql_into_a_busy_queue_run_without_waiting_for_the_poll,
                 a_row_given_back_behind_the_head_is_the_next_claims_first,
+                stats_count_every_row_once_while_workers_drain,
+                cancel_and_run_now_are_refused_for_a_row_in_work_and_applied_otherwise,
+                a_requeued_dead_letter_runs_again_reading_attempt_one,
                 a_handler_panic_is_a_retry,
                 a_handler_error_is_a_retry,
                 a_row_that_does_not_decode_is_retried_not_lost,
@@ -180,6 +187,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@each $db; advisory;
             advisory_claims_past_heads_in_work_take_only_heads,
             a_row_passed_over_for_its_held_key_is_claimed_once_the_key_is_free,
+            a_held_key_with_only_scheduled_rows_counts_each_row_once,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );

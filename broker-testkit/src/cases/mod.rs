@@ -2,6 +2,7 @@
 //! cases about a claim mode take it as an argument. [`conformance_suite!`](crate::conformance_suite)
 //! stamps a mode's cases only for backends that offer the mode, so no case returns early.
 
+mod admin;
 mod attempts;
 mod backlog;
 mod bad_input;
@@ -18,6 +19,7 @@ mod restart;
 mod settle;
 mod stress;
 
+pub use admin::*;
 pub use attempts::*;
 pub use backlog::*;
 pub use bad_input::*;

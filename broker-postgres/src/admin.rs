@@ -1,0 +1,780 @@
+//! Operating a PostgreSQL queue: counts by state, listings, and changes to rows outside the
+//! claim path, each fenced as a settlement is (see `broker_core::admin`).
+//!
+//! What "in work" means on PostgreSQL, and how exact it is:
+//! - lease: a `locked_until` after now (exact, on the host's clock);
+//! - advisory: a row whose key an advisory lock holds (`pg_locks`), counted once per held key
+//!   (one delivery per key); rows waiting behind a held key count as due;
+//! - row lock: a row whose `xmax` is a transaction that is still running (`pg_locks` lists the
+//!   transaction ids of running transactions): a row a delivery's transaction locked `FOR
+//!   UPDATE`. Exact for deliveries; a row that some other open transaction locked or updated
+//!   counts too.
+//!
+//! These statements are not on the hot path: they are built per call and sent unnamed where
+//! the backend is behind a transaction-mode pooler.
+
+use broker_core::driver::{CONTROL_TABLE, StatsCounts};
+use broker_core::{
+    ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, Page, Pause, Result,
+    SqlxBrokerError, TableDescription,
+    admin::{RowChange, last_error_text},
+};
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
+
+use crate::sql::{due_key, ident, ts};
+
+/// A text as a SQL string literal (standard conforming strings: only quotes are doubled). For
+/// the broker's own texts (key template pieces), never for values from outside.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// `expr` (a `TIMESTAMPTZ`) as unix ms, NULL when infinite.
+fn ms_or_null(expr: &str) -> String {
+    format!("CASE WHEN isfinite({expr}) THEN floor(EXTRACT(EPOCH FROM {expr}) * 1000)::int8 END")
+}
+
+/// The fragments of one table's admin statements, on the alias `q`.
+struct Frag<'t> {
+    t: &'t TableDescription,
+    table: String,
+    id: String,
+}
+
+impl<'t> Frag<'t> {
+    fn new(t: &'t TableDescription) -> Self {
+        Self {
+            t,
+            table: ident(t.name()),
+            id: ident(t.id()),
+        }
+    }
+
+    fn col(&self, c: &str) -> String {
+        format!("q.{}", ident(c))
+    }
+
+    /// Unfinished rows.
+    fn unfinished(&self) -> String {
+        let mut c: Vec<String> = self
+            .t
+            .unfinished_columns()
+            .into_iter()
+            .map(|c| format!("{} IS NULL", self.col(c)))
+            .collect();
+        if c.is_empty() {
+            c.push("TRUE".into());
+        }
+        format!("({})", c.join(" AND "))
+    }
+
+    /// Due at `$1` (unix ms).
+    fn due(&self) -> String {
+        match self.t.due_at() {
+            Some(d) => format!("({} <= {})", due_key(&self.col(d)), ts("$1")),
+            None => "($1::int8 IS NOT NULL)".into(),
+        }
+    }
+
+    /// The advisory key of a row, as the claim renders it.
+    fn key(&self) -> Option<String> {
+        let template = self.t.advisory_lock()?;
+        let parts: Vec<String> = template
+            .parts()
+            .iter()
+            .map(|p| match p {
+                KeyPart::Literal(text) => literal(text),
+                KeyPart::Column(c) => self.col(c),
+            })
+            .collect();
+        Some(format!("concat({})", parts.join(", ")))
+    }
+
+    /// Whether a delivery holds the row now (see the module docs).
+    fn held(&self) -> String {
+        match self.t.mode() {
+            ClaimMode::Lease => {
+                let lu = self.col(self.t.locked_until().expect("lease mode has locked_until"));
+                format!("({lu} IS NOT NULL AND {lu} > {})", ts("$1"))
+            }
+            ClaimMode::Advisory => format!(
+                "(hashtextextended({}, 0) IN (SELECT h.k FROM sqlx_broker_held AS h))",
+                self.key().expect("advisory mode has a key")
+            ),
+            _ => "(q.xmax IN (SELECT h.x FROM sqlx_broker_held AS h))".into(),
+        }
+    }
+
+    /// The locks a statement that uses [`held`](Self::held) reads, once (`pg_locks` changes
+    /// while a statement runs; read in each filter, one row could count in two states), as a
+    /// `WITH` clause; empty in lease mode. A CTE read more than once is evaluated once (and
+    /// PostgreSQL 11 evaluates every CTE once).
+    fn held_locks(&self) -> &'static str {
+        match self.t.mode() {
+            ClaimMode::Lease => "",
+            ClaimMode::Advisory => {
+                "WITH sqlx_broker_held AS (SELECT (l.classid::int8 << 32) | l.objid::int8 AS k \
+                 FROM pg_locks AS l WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+                 AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database())) "
+            }
+            _ => {
+                "WITH sqlx_broker_held AS (SELECT l.transactionid AS x FROM pg_locks AS l \
+                 WHERE l.locktype = 'transactionid' AND l.transactionid IS NOT NULL) "
+            }
+        }
+    }
+
+    /// What holds a row, in words, for a refusal.
+    fn holder(&self) -> &'static str {
+        match self.t.mode() {
+            ClaimMode::Lease => "its lease has not run out",
+            ClaimMode::Advisory => {
+                "its advisory key is held (by its delivery, or one of another row with the same key)"
+            }
+            _ => "a delivery's transaction holds its row lock",
+        }
+    }
+
+    fn dead_column(&self) -> Option<String> {
+        match self.t.dead_letter() {
+            Some(DeadLetter::Column(c)) => Some(self.col(c)),
+            _ => None,
+        }
+    }
+
+    fn dead_table(&self) -> Option<String> {
+        match self.t.dead_letter() {
+            Some(DeadLetter::Table(d)) => Some(ident(d)),
+            _ => None,
+        }
+    }
+
+    /// Which dead letters (on the alias `q`), with their parameter as `$n`.
+    fn which(&self, which: &DeadLetters, n: usize) -> String {
+        match which {
+            DeadLetters::Ids(_) => format!("q.{} = ANY(${n}::int8[])", self.id),
+            DeadLetters::ErrorContains(_) => format!(
+                "strpos({}, ${n}::text) > 0",
+                self.col(self.t.last_error().expect("checked by the core"))
+            ),
+            _ => format!("${n}::text IS NULL"),
+        }
+    }
+}
+
+/// Binds the parameter of [`Frag::which`].
+fn bind_which<'q>(
+    q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    which: &DeadLetters,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    match which {
+        DeadLetters::Ids(ids) => q.bind(ids.clone()),
+        DeadLetters::ErrorContains(text) => q.bind(text.clone()),
+        _ => q.bind(None::<String>),
+    }
+}
+
+/// The admin operations of a PostgreSQL backend.
+pub(crate) struct Admin<'a> {
+    pub(crate) pool: &'a PgPool,
+    /// Whether statements may be prepared under a name (not behind a transaction-mode pooler).
+    pub(crate) prepared: bool,
+}
+
+impl Admin<'_> {
+    fn query(
+        &self,
+        sql: String,
+    ) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(AssertSqlSafe(sql)).persistent(self.prepared)
+    }
+
+    /// A connection in a transaction of its own.
+    async fn begin(&self, table: &str) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        self.pool
+            .begin()
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, "admin begin", e))
+    }
+
+    pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
+        let f = Frag::new(t);
+        let (unf, due, held) = (f.unfinished(), f.due(), f.held());
+        let due_ms = t
+            .due_at()
+            .map(|d| ms_or_null(&f.col(d)))
+            .unwrap_or_else(|| "NULL::int8".into());
+        // Advisory counts one delivery per held key with due rows; rows waiting behind it count
+        // as due. A held key without due rows (its delivery's row just put back for later, the
+        // key not unlocked yet) is no row in work: its rows are scheduled, and counted there.
+        let (due_count, scheduled, in_work) = match t.mode() {
+            ClaimMode::Advisory => {
+                let kh = format!("hashtextextended({}, 0)", f.key().expect("a key"));
+                (
+                    format!(
+                        "count(*) FILTER (WHERE {unf} AND {due}) \
+                         - count(DISTINCT {kh}) FILTER (WHERE {unf} AND {due} AND {held})"
+                    ),
+                    format!("count(*) FILTER (WHERE {unf} AND NOT {due})"),
+                    format!("count(DISTINCT {kh}) FILTER (WHERE {unf} AND {due} AND {held})"),
+                )
+            }
+            _ => (
+                format!("count(*) FILTER (WHERE {unf} AND {due} AND NOT {held})"),
+                format!("count(*) FILTER (WHERE {unf} AND NOT {due} AND NOT {held})"),
+                format!("count(*) FILTER (WHERE {unf} AND {held})"),
+            ),
+        };
+        let finished = match t.processed_at() {
+            Some(p) => format!("count(*) FILTER (WHERE {} IS NOT NULL)", f.col(p)),
+            None => "NULL::int8".into(),
+        };
+        // The dead-letter table is counted in the same statement, so in the same snapshot: a
+        // row that moves there meanwhile is counted once.
+        let dead = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => format!("count(*) FILTER (WHERE {c} IS NOT NULL)"),
+            (None, Some(d)) => format!("(SELECT count(*) FROM {d})"),
+            (None, None) => "NULL::int8".into(),
+        };
+        let sql = format!(
+            "{with}SELECT ({due_count})::int8, ({scheduled})::int8, ({in_work})::int8, \
+             (count(*) FILTER (WHERE {unf} AND q.{a} > 1))::int8, ({finished})::int8, ({dead})::int8, \
+             (min({due_ms}) FILTER (WHERE {unf} AND {due} AND NOT {held}))::int8 \
+             FROM {table} AS q",
+            a = ident(t.attempt()),
+            table = f.table,
+            with = f.held_locks(),
+        );
+        let row = self
+            .fetch_one(t, "stats", self.query(sql).bind(now_ms))
+            .await?;
+        let get = |i: usize| -> Result<Option<i64>> {
+            row.try_get::<Option<i64>, _>(i)
+                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+        };
+        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
+        Ok(StatsCounts {
+            due: count(get(0)?),
+            scheduled: count(get(1)?),
+            in_work: count(get(2)?),
+            retrying: count(get(3)?),
+            finished: t
+                .processed_at()
+                .map(|_| ())
+                .and(get(4)?.map(|v| count(Some(v)))),
+            dead: t
+                .dead_letter()
+                .map(|_| ())
+                .and(get(5)?.map(|v| count(Some(v)))),
+            oldest_due_ms: get(6)?,
+        })
+    }
+
+    async fn fetch_one(
+        &self,
+        t: &TableDescription,
+        name: &'static str,
+        q: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<PgRow> {
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_one(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), name, e))
+    }
+
+    async fn execute(
+        &self,
+        t: &TableDescription,
+        name: &'static str,
+        q: sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<u64> {
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))
+            .await
+            .map(|r| r.rows_affected())
+            .map_err(|e| SqlxBrokerError::statement(t.name(), name, e))
+    }
+
+    pub(crate) async fn list(
+        &self,
+        t: &TableDescription,
+        state: JobState,
+        page: Page,
+        now_ms: i64,
+    ) -> Result<Vec<JobInfo>> {
+        let f = Frag::new(t);
+        let (unf, due, held) = (f.unfinished(), f.due(), f.held());
+        let (from, filter) = match state {
+            JobState::Due => (f.table.clone(), format!("{unf} AND {due} AND NOT {held}")),
+            JobState::Scheduled => (
+                f.table.clone(),
+                format!("{unf} AND NOT {due} AND NOT {held}"),
+            ),
+            JobState::InWork => (f.table.clone(), format!("{unf} AND {held}")),
+            JobState::Retrying => (
+                f.table.clone(),
+                format!("{unf} AND q.{} > 1", ident(t.attempt())),
+            ),
+            JobState::Finished => (
+                f.table.clone(),
+                format!(
+                    "{} IS NOT NULL AND $1::int8 IS NOT NULL",
+                    f.col(t.processed_at().expect("checked by the core"))
+                ),
+            ),
+            _ => match (f.dead_column(), f.dead_table()) {
+                (Some(c), _) => (
+                    f.table.clone(),
+                    format!("{c} IS NOT NULL AND $1::int8 IS NOT NULL"),
+                ),
+                (None, Some(d)) => (d, "$1::int8 IS NOT NULL".into()),
+                (None, None) => unreachable!("checked by the core"),
+            },
+        };
+        let time = |c: Option<&str>| {
+            c.map(|c| ms_or_null(&f.col(c)))
+                .unwrap_or_else(|| "NULL::int8".into())
+        };
+        let finished_at = match state {
+            JobState::Finished => time(t.processed_at()),
+            JobState::Dead => f
+                .dead_column()
+                .map(|c| ms_or_null(&c))
+                .unwrap_or_else(|| "NULL::int8".into()),
+            _ => "NULL::int8".into(),
+        };
+        let payload = match t.payload() {
+            Some((p, broker_core::ColumnType::Bytes)) => {
+                format!("'\\x' || encode({}, 'hex')", f.col(p))
+            }
+            Some((p, _)) => format!("{}::text", f.col(p)),
+            None => "NULL::text".into(),
+        };
+        let text_of = |c: Option<&str>| {
+            c.map(|c| format!("{}::text", f.col(c)))
+                .unwrap_or_else(|| "NULL::text".into())
+        };
+        let sql = format!(
+            "{with}SELECT q.{id}::int8, q.{a}::int8, {due_ms}, {lu}, {finished_at}, {key}, {group}, \
+             left({payload}, {cap} + 1), {error} FROM {from} AS q \
+             WHERE {filter} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
+            id = f.id,
+            a = ident(t.attempt()),
+            due_ms = time(t.due_at()),
+            lu = time(t.locked_until()),
+            key = f.key().unwrap_or_else(|| "NULL::text".into()),
+            group = text_of(t.group()),
+            error = text_of(t.last_error()),
+            cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
+            with = f.held_locks(),
+        );
+        let q = self
+            .query(sql)
+            .bind(now_ms)
+            .bind(page.after.unwrap_or(i64::MIN))
+            .bind(i64::try_from(page.limit).unwrap_or(i64::MAX));
+        let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;
+        rows.iter()
+            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
+                let mut info =
+                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
+                info.due_ms = r.try_get(2)?;
+                info.locked_until_ms = r.try_get(3)?;
+                info.finished_ms = r.try_get(4)?;
+                info.key = r.try_get(5)?;
+                info.group = r.try_get(6)?;
+                info.last_error = r.try_get(8)?;
+                Ok(info)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
+    }
+
+    /// With [`DeadLetters::Ids`], checks in `tx` that every id is a dead letter, locking them.
+    async fn all_dead(
+        &self,
+        tx: &mut PgConnection,
+        t: &TableDescription,
+        which: &DeadLetters,
+    ) -> Result<()> {
+        let DeadLetters::Ids(ids) = which else {
+            return Ok(());
+        };
+        let f = Frag::new(t);
+        let (from, dead) = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => (f.table.clone(), format!("{c} IS NOT NULL")),
+            (None, Some(d)) => (d, "TRUE".into()),
+            (None, None) => unreachable!("checked by the core"),
+        };
+        let sql = format!(
+            "SELECT q.{id}::int8 FROM {from} AS q WHERE q.{id} = ANY($1::int8[]) AND {dead} FOR UPDATE",
+            id = f.id
+        );
+        let found: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .persistent(self.prepared)
+            .bind(ids.clone())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "dead letters", e))?;
+        match ids.iter().find(|id| !found.contains(id)) {
+            Some(missing) => Err(SqlxBrokerError::RowNotFound {
+                table: t.name().to_owned(),
+                id: *missing,
+                where_: " among the dead letters",
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) async fn requeue_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+        now_ms: i64,
+    ) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "requeue dead letters", e);
+        let mut tx = self.begin(t.name()).await?;
+        self.all_dead(&mut tx, t, which).await?;
+        // Back to a fresh row's state: attempt 1, due now, no lease.
+        let mut reset = vec![format!("{} = 1", ident(t.attempt()))];
+        if let Some(d) = t.due_at() {
+            reset.push(format!("{} = {}", ident(d), ts("$1")));
+        }
+        if let Some(lu) = t.locked_until() {
+            reset.push(format!("{} = NULL", ident(lu)));
+        }
+        let moved = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => {
+                let sql = format!(
+                    "UPDATE {table} AS q SET {c0} = NULL, {reset} WHERE {c} IS NOT NULL AND {which} \
+                     AND $1::int8 IS NOT NULL",
+                    table = f.table,
+                    c0 = ident(match t.dead_letter() {
+                        Some(DeadLetter::Column(c)) => c,
+                        _ => unreachable!(),
+                    }),
+                    reset = reset.join(", "),
+                    which = f.which(which, 2),
+                );
+                bind_which(self.query(sql).bind(now_ms), which)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?
+                    .rows_affected()
+            }
+            (None, Some(d)) => {
+                // One statement moves the rows back (with their ids: the identity column takes
+                // them with OVERRIDING SYSTEM VALUE), the next resets them. The dead-letter table
+                // has the queue table's columns in its order (the DDL helper makes it so).
+                let sql = format!(
+                    "WITH sqlx_broker_back AS (DELETE FROM {d} AS q WHERE {which} RETURNING q.*) \
+                     INSERT INTO {table} OVERRIDING SYSTEM VALUE SELECT * FROM sqlx_broker_back \
+                     RETURNING {id}::int8",
+                    table = f.table,
+                    id = f.id,
+                    which = f.which(which, 1),
+                );
+                let q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).persistent(self.prepared);
+                let q = match which {
+                    DeadLetters::Ids(ids) => q.bind(ids.clone()),
+                    DeadLetters::ErrorContains(text) => q.bind(text.clone()),
+                    _ => q.bind(None::<String>),
+                };
+                let ids = q.fetch_all(&mut *tx).await.map_err(err)?;
+                if !ids.is_empty() {
+                    let sql = format!(
+                        "UPDATE {table} AS q SET {reset} WHERE q.{id} = ANY($2::int8[])",
+                        table = f.table,
+                        id = f.id,
+                        reset = reset.join(", "),
+                    );
+                    let sql = if t.due_at().is_some() {
+                        sql
+                    } else {
+                        sql.replace("WHERE", "WHERE $1::int8 IS NOT NULL AND")
+                    };
+                    self.query(sql)
+                        .bind(now_ms)
+                        .bind(ids.clone())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(err)?;
+                }
+                u64::try_from(ids.len()).unwrap_or(u64::MAX)
+            }
+            (None, None) => unreachable!("checked by the core"),
+        };
+        tx.commit().await.map_err(err)?;
+        Ok(moved)
+    }
+
+    pub(crate) async fn discard_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+    ) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
+        let mut tx = self.begin(t.name()).await?;
+        self.all_dead(&mut tx, t, which).await?;
+        let sql = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => format!(
+                "DELETE FROM {} AS q WHERE {c} IS NOT NULL AND {}",
+                f.table,
+                f.which(which, 1)
+            ),
+            (None, Some(d)) => format!("DELETE FROM {d} AS q WHERE {}", f.which(which, 1)),
+            (None, None) => unreachable!("checked by the core"),
+        };
+        let n = bind_which(self.query(sql), which)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?
+            .rows_affected();
+        tx.commit().await.map_err(err)?;
+        Ok(n)
+    }
+
+    /// Why row `id` was not changed: gone or finished, in work, or (`due`) due already.
+    async fn why_not(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let sql = format!(
+            "{with}SELECT {held}, {due} FROM {table} AS q WHERE q.{id} = $2::int8 AND {unf}",
+            with = f.held_locks(),
+            held = f.held(),
+            due = f.due(),
+            table = f.table,
+            id = f.id,
+            unf = f.unfinished(),
+        );
+        let q = self.query(sql).bind(now_ms).bind(id);
+        let row = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_optional(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "row check", e))?;
+        Ok(match row {
+            None => RowChange::NotFound,
+            Some(r) if r.try_get::<bool, _>(0).unwrap_or(false) => {
+                RowChange::InWork(f.holder().into())
+            }
+            Some(_) => RowChange::Unchanged,
+        })
+    }
+
+    /// Runs `change` (a statement on row `$2` at `$1`, fenced by the mode's hold) and tells
+    /// what happened. Advisory tables hold the row's key for the statement, so no claim can
+    /// take the row meanwhile.
+    async fn fenced(
+        &self,
+        t: &TableDescription,
+        name: &'static str,
+        id: i64,
+        now_ms: i64,
+        change: String,
+    ) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), name, e);
+        if t.mode() == ClaimMode::Advisory {
+            // The key lock lives in the session: a connection of its own, closed afterwards.
+            let mut conn = PgConnection::connect_with(&self.pool.connect_options())
+                .await
+                .map_err(err)?;
+            let sql = format!(
+                "SELECT {key} FROM {table} AS q WHERE q.{id} = $1::int8 AND {unf}",
+                key = f.key().expect("a key"),
+                table = f.table,
+                id = f.id,
+                unf = f.unfinished(),
+            );
+            let key: Option<String> = sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(id)
+                .fetch_optional(&mut conn)
+                .await
+                .map_err(err)?;
+            let Some(key) = key else {
+                let _ = conn.close().await;
+                return Ok(RowChange::NotFound);
+            };
+            let locked: bool =
+                sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1::text, 0))")
+                    .bind(&key)
+                    .fetch_one(&mut conn)
+                    .await
+                    .map_err(err)?;
+            if !locked {
+                let _ = conn.close().await;
+                return Ok(RowChange::InWork(format!(
+                    "its advisory key \"{key}\" is held"
+                )));
+            }
+            let n = sqlx::query(AssertSqlSafe(change))
+                .bind(now_ms)
+                .bind(id)
+                .execute(&mut conn)
+                .await
+                .map_err(err)?
+                .rows_affected();
+            // Closing the session frees the key.
+            let _ = conn.close().await;
+            if n > 0 {
+                return Ok(RowChange::Done);
+            }
+            return self.why_not(t, id, now_ms).await;
+        }
+        let n = self
+            .execute(t, name, self.query(change).bind(now_ms).bind(id))
+            .await?;
+        if n > 0 {
+            return Ok(RowChange::Done);
+        }
+        self.why_not(t, id, now_ms).await
+    }
+
+    /// The rows a fenced change may touch: row `$2` if unfinished and, in row lock mode, not
+    /// locked (a locking read that skips a locked row), in lease mode not leased.
+    fn target(&self, t: &TableDescription) -> String {
+        let f = Frag::new(t);
+        let unf = f.unfinished();
+        match t.mode() {
+            ClaimMode::RowLock => format!(
+                "q.{id} IN (SELECT q.{id} FROM {table} AS q WHERE q.{id} = $2::int8 AND {unf} \
+                 FOR UPDATE OF q SKIP LOCKED)",
+                id = f.id,
+                table = f.table,
+            ),
+            ClaimMode::Lease => format!("q.{} = $2::int8 AND {unf} AND NOT {}", f.id, f.held()),
+            _ => format!("q.{} = $2::int8 AND {unf}", f.id),
+        }
+    }
+
+    pub(crate) async fn cancel(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let sql = format!(
+            "DELETE FROM {} AS q WHERE {} AND $1::int8 IS NOT NULL",
+            f.table,
+            self.target(t)
+        );
+        self.fenced(t, "cancel", id, now_ms, sql).await
+    }
+
+    pub(crate) async fn run_now(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        now_ms: i64,
+    ) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let Some(d) = t.due_at() else {
+            // Without a due time every unfinished row is due.
+            return self.why_not(t, id, now_ms).await;
+        };
+        let sql = format!(
+            "UPDATE {} AS q SET {} = {} WHERE {} AND NOT {}",
+            f.table,
+            ident(d),
+            ts("$1"),
+            self.target(t),
+            f.due(),
+        );
+        self.fenced(t, "run now", id, now_ms, sql).await
+    }
+
+    pub(crate) async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
+        let f = Frag::new(t);
+        let p = f.col(t.processed_at().expect("checked by the core"));
+        let sql = format!(
+            "DELETE FROM {} AS q WHERE {p} IS NOT NULL AND {p} < {}",
+            f.table,
+            ts("$1")
+        );
+        self.execute(t, "purge", self.query(sql).bind(before_ms))
+            .await
+    }
+
+    pub(crate) async fn record_error(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        error: &str,
+        dead: bool,
+    ) -> Result<()> {
+        let f = Frag::new(t);
+        let col = ident(t.last_error().expect("only called for tables with one"));
+        let target = match (dead, f.dead_table()) {
+            (true, Some(d)) => d,
+            _ => f.table.clone(),
+        };
+        let sql = format!(
+            "UPDATE {target} AS q SET {col} = $2::text WHERE q.{} = $1::int8",
+            f.id
+        );
+        self.execute(
+            t,
+            "record error",
+            self.query(sql)
+                .bind(id)
+                .bind(last_error_text(error).to_owned()),
+        )
+        .await
+        .map(drop)
+    }
+
+    pub(crate) async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
+        let err = |e| SqlxBrokerError::statement(table, "pause", e);
+        let q = match pause {
+            Some(p) => self
+                .query(format!(
+                    "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) \
+                     VALUES ($1::text, $2::int8, $3::text) ON CONFLICT (queue) DO NOTHING"
+                ))
+                .bind(table.to_owned())
+                .bind(p.since_ms)
+                .bind(p.by.clone()),
+            None => self
+                .query(format!(
+                    "DELETE FROM {CONTROL_TABLE} WHERE queue = $1::text"
+                ))
+                .bind(table.to_owned()),
+        };
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))
+            .await
+            .map(|r| r.rows_affected() > 0)
+            .map_err(err)
+    }
+
+    pub(crate) async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
+        let q = sqlx::query_as::<_, (i64, String)>(AssertSqlSafe(format!(
+            "SELECT paused_at_ms, paused_by FROM {CONTROL_TABLE} WHERE queue = $1::text"
+        )))
+        .persistent(self.prepared)
+        .bind(table.to_owned());
+        let row = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_optional(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, "pause state", e))?;
+        Ok(row.map(|(since_ms, by)| Pause { since_ms, by }))
+    }
+
+    pub(crate) async fn has_control_table(&self) -> Result<bool> {
+        let q = sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!(
+            "SELECT to_regclass('{CONTROL_TABLE}') IS NOT NULL"
+        )))
+        .persistent(self.prepared);
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_one(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement("", "control table check", e))
+    }
+}
+
+/// The control table's DDL (see [`CONTROL_TABLE`]).
+pub(crate) fn control_ddl() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {CONTROL_TABLE} (queue TEXT PRIMARY KEY, \
+         paused_at_ms BIGINT NOT NULL, paused_by TEXT NOT NULL)"
+    )
+}
