@@ -1,0 +1,362 @@
+//! `sqlx-broker`: operate the queues of a service's own tables from a shell, on PostgreSQL,
+//! MySQL/MariaDB and SQLite: rows by state and lag, dead letters (list, requeue, discard),
+//! cancel and run one row now, pause and resume a queue across processes, purge finished rows,
+//! and the doctor's checks of a deployment.
+//!
+//! ```text
+//! sqlx-broker --url postgres://app@db/app --table jobs --locked-until locked_until stats
+//! sqlx-broker --config jobs.toml dead list --limit 20
+//! sqlx-broker --config jobs.toml dead requeue --id 41 --id 42
+//! sqlx-broker --config jobs.toml pause --by "incident 1234"
+//! sqlx-broker --config jobs.toml --json stats
+//! sqlx-broker --url sqlite://jobs.db --table emails --advisory-lock 'acct-{account}' \
+//!     --column account:text doctor --concurrency 8
+//! ```
+//!
+//! The table is described with the roles of `TableDescription`'s builder, by flags or in a TOML
+//! file (see `table.rs`). Output is a human table, or JSON with `--json`. Exit status: 0 done,
+//! 1 refused or failed (the message says why and what to change), 2 bad arguments; `doctor`
+//! exits 1 when a check fails.
+
+mod output;
+mod table;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use broker_core::{
+    Backend, Broker, DeadLetters, DoctorOptions, JobState, Page, Queue, SqlxBrokerError, Status,
+    TableDescription,
+};
+use clap::{Parser, Subcommand};
+
+use crate::output::Out;
+use crate::table::TableArgs;
+
+/// Operate sqlx-broker queues: stats, dead letters, cancel, run now, pause, purge, doctor.
+#[derive(Debug, Parser)]
+#[command(name = "sqlx-broker", version)]
+struct Cli {
+    /// The database URL: postgres://, mysql:// (MariaDB too) or sqlite://.
+    #[arg(long, env = "SQLX_BROKER_URL", global = true)]
+    url: Option<String>,
+    /// A TOML file with `url` and a `[table]` of column roles; flags win over it.
+    #[arg(long, global = true)]
+    config: Option<std::path::PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(flatten)]
+    table: TableArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Rows by state, the lag, and whether the queue is paused.
+    Stats,
+    /// Rows in one state, a page at a time.
+    Jobs {
+        /// due, scheduled, in-work, retrying, dead or finished.
+        state: JobState,
+        /// Only rows with a larger id (the last id of the previous page).
+        #[arg(long)]
+        after: Option<i64>,
+        /// Rows per page (1 to 1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Dead letters: list, requeue, discard.
+    Dead {
+        #[command(subcommand)]
+        command: DeadCommand,
+    },
+    /// Takes an unfinished row out of the queue (deletes it); refused while a delivery holds it.
+    Cancel {
+        /// The row id.
+        id: i64,
+    },
+    /// Makes a scheduled or delayed row due now; refused while a delivery holds it.
+    RunNow {
+        /// The row id.
+        id: i64,
+    },
+    /// Pauses the queue in every process: claims stop, rows in work finish, publishes go on.
+    Pause {
+        /// Who pauses it, shown by `stats`.
+        #[arg(long, default_value = "sqlx-broker CLI")]
+        by: String,
+    },
+    /// Resumes a paused queue.
+    Resume,
+    /// Deletes finished rows (kept with processed_at) older than a duration.
+    Purge {
+        /// How old: 30s, 15m, 12h, 7d.
+        #[arg(long, value_parser = parse_duration)]
+        older_than: Duration,
+    },
+    /// Checks the deployment for the table and says what to change.
+    Doctor {
+        /// The concurrency each subscription will run with.
+        #[arg(long, default_value_t = 1)]
+        concurrency: usize,
+        /// How many subscriptions share the broker's pool.
+        #[arg(long, default_value_t = 1)]
+        subscriptions: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadCommand {
+    /// The dead letters with their attempt and last error, a page at a time.
+    List {
+        /// Only rows with a larger id.
+        #[arg(long)]
+        after: Option<i64>,
+        /// Rows per page (1 to 1000).
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Puts dead letters back, due now with attempt 1.
+    Requeue(Which),
+    /// Deletes dead letters for good.
+    Discard(Which),
+}
+
+/// Which dead letters: ids, an error text, or all.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+struct Which {
+    /// These ids (repeat the flag).
+    #[arg(long = "id")]
+    ids: Vec<i64>,
+    /// Those whose last error contains this text.
+    #[arg(long)]
+    error: Option<String>,
+    /// All of them.
+    #[arg(long)]
+    all: bool,
+}
+
+impl Which {
+    fn dead_letters(&self) -> DeadLetters {
+        match (&self.error, self.all) {
+            (Some(text), _) => DeadLetters::ErrorContains(text.clone()),
+            (None, true) => DeadLetters::All,
+            (None, false) => DeadLetters::Ids(self.ids.clone()),
+        }
+    }
+}
+
+/// `30s`, `15m`, `12h`, `7d`, or whole seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = number.parse().map_err(|_| {
+        format!("{s:?}: write a duration as a number and a unit, e.g. 30s, 15m, 12h, 7d")
+    })?;
+    let seconds = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        other => return Err(format!("{other:?}: a duration's unit is s, m, h or d")),
+    };
+    Ok(Duration::from_secs(n.saturating_mul(seconds)))
+}
+
+/// Runs a command on a queue of `broker`.
+async fn run_on<B: Backend>(
+    broker: Broker<B>,
+    table: TableDescription,
+    command: &Command,
+) -> Result<Out, String> {
+    if let Command::Doctor {
+        concurrency,
+        subscriptions,
+    } = command
+    {
+        let options = DoctorOptions::new()
+            .concurrency(*concurrency)
+            .subscriptions(*subscriptions);
+        let report = broker.doctor(&table, &options).await;
+        broker.close().await;
+        return Ok(Out::Doctor(report));
+    }
+    let queue: Queue<B, ()> = broker.queue(table).await.map_err(message)?;
+    let out = run_queue(&queue, command).await;
+    broker.close().await;
+    out.map_err(message)
+}
+
+async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_core::Result<Out> {
+    Ok(match command {
+        Command::Stats => Out::Stats(q.stats().await?),
+        Command::Jobs {
+            state,
+            after,
+            limit,
+        } => Out::Jobs(q.jobs(*state, page(*after, *limit)).await?),
+        Command::Dead { command } => match command {
+            DeadCommand::List { after, limit } => {
+                Out::Jobs(q.dead_letters(page(*after, *limit)).await?)
+            }
+            DeadCommand::Requeue(which) => Out::Count {
+                what: "requeued",
+                rows: q.requeue_dead(which.dead_letters()).await?,
+            },
+            DeadCommand::Discard(which) => Out::Count {
+                what: "discarded",
+                rows: q.discard_dead(which.dead_letters()).await?,
+            },
+        },
+        Command::Cancel { id } => {
+            q.cancel(*id).await?;
+            Out::Done(format!("row {id} cancelled"))
+        }
+        Command::RunNow { id } => {
+            q.run_now(*id).await?;
+            Out::Done(format!("row {id} is due now"))
+        }
+        Command::Pause { by } => {
+            q.pause(by).await?;
+            Out::Done(format!("queue \"{}\" paused", q.table().name()))
+        }
+        Command::Resume => {
+            q.resume().await?;
+            Out::Done(format!("queue \"{}\" resumed", q.table().name()))
+        }
+        Command::Purge { older_than } => Out::Count {
+            what: "purged",
+            rows: q.purge_finished(*older_than).await?,
+        },
+        Command::Doctor { .. } => unreachable!("run before the queue is prepared"),
+    })
+}
+
+fn page(after: Option<i64>, limit: usize) -> Page {
+    Page { after, limit }
+}
+
+fn message(e: SqlxBrokerError) -> String {
+    e.to_string()
+}
+
+async fn run(cli: Cli) -> Result<Out, String> {
+    let (file_url, file_table) = match &cli.config {
+        Some(path) => {
+            let config = table::read_config(path)?;
+            (config.url, config.table)
+        }
+        None => (None, TableArgs::default()),
+    };
+    let table = cli.table.clone().or(file_table).describe()?;
+    let url = cli
+        .url
+        .clone()
+        .or(file_url)
+        .ok_or("give the database URL: --url, SQLX_BROKER_URL, or url = \"..\" in --config")?;
+    let url = url.as_str();
+    let err = |e: SqlxBrokerError| format!("cannot connect to {url}: {e}");
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let broker = broker_postgres::PgBackend::connect(url)
+            .await
+            .map_err(err)?;
+        run_on(broker, table, &cli.command).await
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        let broker = broker_mysql::MySqlBackend::connect(url)
+            .await
+            .map_err(err)?;
+        run_on(broker, table, &cli.command).await
+    } else if url.starts_with("sqlite:") {
+        let broker = broker_sqlite::SqliteBackend::connect(url)
+            .await
+            .map_err(err)?;
+        run_on(broker, table, &cli.command).await
+    } else {
+        Err(format!(
+            "{url}: the URL must start with postgres://, mysql:// or sqlite:"
+        ))
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let json = cli.json;
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(out) => {
+            let failed = matches!(&out, Out::Doctor(r) if r.worst() == Status::Fail);
+            print!("{}", out.render(json));
+            if failed {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            if json {
+                println!("{}", serde_json::json!({ "error": e }));
+            } else {
+                eprintln!("error: {e}");
+            }
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_with_their_unit() {
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("12").unwrap(), Duration::from_secs(12));
+        assert!(parse_duration("1w").unwrap_err().contains("s, m, h or d"));
+        assert!(parse_duration("soon").unwrap_err().contains("e.g. 30s"));
+    }
+
+    #[test]
+    fn the_command_line_parses_flags_after_the_subcommand() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "sqlx-broker",
+            "dead",
+            "requeue",
+            "--id",
+            "4",
+            "--id",
+            "5",
+            "--url",
+            "sqlite://x.db",
+            "--table",
+            "jobs",
+        ])
+        .unwrap();
+        assert_eq!(cli.table.name.as_deref(), Some("jobs"));
+        match cli.command {
+            Command::Dead {
+                command: DeadCommand::Requeue(w),
+            } => assert_eq!(w.dead_letters(), DeadLetters::Ids(vec![4, 5])),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            Cli::try_parse_from(["sqlx-broker", "dead", "requeue", "--all", "--id", "3"]).is_err(),
+            "one selection at a time"
+        );
+    }
+}

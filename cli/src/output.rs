@@ -1,0 +1,217 @@
+//! What the CLI prints: a human table, or JSON.
+
+use std::fmt::Write as _;
+
+use broker_core::{Count, DoctorReport, JobInfo, QueueStats};
+use serde_json::{Value, json};
+
+/// A command's result.
+pub(crate) enum Out {
+    Stats(QueueStats),
+    Jobs(Vec<JobInfo>),
+    Count { what: &'static str, rows: u64 },
+    Done(String),
+    Doctor(DoctorReport),
+}
+
+impl Out {
+    pub(crate) fn render(&self, as_json: bool) -> String {
+        if as_json {
+            let mut s = serde_json::to_string_pretty(&self.json()).unwrap_or_default();
+            s.push('\n');
+            return s;
+        }
+        match self {
+            Out::Stats(s) => stats(s),
+            Out::Jobs(jobs) => jobs_table(jobs),
+            Out::Count { what, rows } => format!("{rows} rows {what}\n"),
+            Out::Done(text) => format!("{text}\n"),
+            Out::Doctor(report) => report.to_string(),
+        }
+    }
+
+    fn json(&self) -> Value {
+        let count = |c: &Count| json!({ "rows": c.rows, "exact": c.exact });
+        match self {
+            Out::Stats(s) => json!({
+                "table": s.table,
+                "mode": s.mode.to_string(),
+                "due": count(&s.due),
+                "scheduled": count(&s.scheduled),
+                "in_work": count(&s.in_work),
+                "retrying": count(&s.retrying),
+                "dead": s.dead.as_ref().map(count),
+                "finished": s.finished.as_ref().map(count),
+                "oldest_due_ms": s.oldest_due_ms,
+                "lag_seconds": s.lag().map(|d| d.as_secs_f64()),
+                "read_at_ms": s.read_at_ms,
+                "paused": s.paused.as_ref().map(|p| json!({ "since_ms": p.since_ms, "by": p.by })),
+            }),
+            Out::Jobs(jobs) => Value::Array(
+                jobs.iter()
+                    .map(|j| {
+                        json!({
+                            "id": j.id,
+                            "attempt": j.attempt,
+                            "state": j.state.as_str(),
+                            "due_ms": j.due_ms,
+                            "locked_until_ms": j.locked_until_ms,
+                            "finished_ms": j.finished_ms,
+                            "key": j.key,
+                            "group": j.group,
+                            "payload": j.payload,
+                            "payload_cut": j.payload_cut,
+                            "last_error": j.last_error,
+                        })
+                    })
+                    .collect(),
+            ),
+            Out::Count { what, rows } => json!({ *what: rows }),
+            Out::Done(text) => json!({ "done": text }),
+            Out::Doctor(report) => json!({
+                "worst": report.worst().to_string(),
+                "checks": report.checks.iter().map(|c| json!({
+                    "name": c.name,
+                    "status": c.status.to_string(),
+                    "found": c.found,
+                    "fix": c.fix,
+                })).collect::<Vec<_>>(),
+            }),
+        }
+    }
+}
+
+/// Unix ms as `YYYY-MM-DD hh:mm:ss UTC`.
+pub(crate) fn utc(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn stats(s: &QueueStats) -> String {
+    let mut out = String::new();
+    let state = match &s.paused {
+        Some(p) => format!("PAUSED since {} by \"{}\"", utc(p.since_ms), p.by),
+        None => "running".into(),
+    };
+    let _ = writeln!(out, "queue \"{}\" ({} mode), {state}", s.table, s.mode);
+    let mut row = |name: &str, c: Option<&Count>, note: &str| {
+        let value = c.map_or_else(|| "-".to_owned(), |c| c.to_string());
+        let _ = writeln!(out, "  {name:<10} {value:>12}{note}");
+    };
+    row("due", Some(&s.due), "");
+    row("scheduled", Some(&s.scheduled), "");
+    row("in work", Some(&s.in_work), "");
+    row("retrying", Some(&s.retrying), "  (of the rows above)");
+    row(
+        "dead",
+        s.dead.as_ref(),
+        if s.dead.is_none() {
+            "  (no dead-letter target)"
+        } else {
+            ""
+        },
+    );
+    row(
+        "finished",
+        s.finished.as_ref(),
+        if s.finished.is_none() {
+            "  (acks delete)"
+        } else {
+            ""
+        },
+    );
+    let lag = match s.lag() {
+        Some(d) => format!("{:.3} s", d.as_secs_f64()),
+        None => "unknown (due rows without a due time)".into(),
+    };
+    let _ = writeln!(out, "  {:<10} {lag:>12}", "lag");
+    if [
+        Some(&s.due),
+        Some(&s.scheduled),
+        s.dead.as_ref(),
+        s.finished.as_ref(),
+    ]
+    .iter()
+    .flatten()
+    .any(|c| !c.exact)
+    {
+        let _ = writeln!(out, "  (~ marks the planner's estimate on a large table)");
+    }
+    out
+}
+
+/// One line of text, at most `max` characters, without line breaks.
+fn cell(text: &str, max: usize) -> String {
+    let one: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if one.chars().count() <= max {
+        one
+    } else {
+        let mut cut: String = one.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    }
+}
+
+fn jobs_table(jobs: &[JobInfo]) -> String {
+    if jobs.is_empty() {
+        return "no rows\n".into();
+    }
+    let mut out = format!(
+        "{:>10}  {:>7}  {:<9}  {:<23}  {:<30}  {}\n",
+        "id", "attempt", "state", "due", "last error", "payload"
+    );
+    for j in jobs {
+        let _ = writeln!(
+            out,
+            "{:>10}  {:>7}  {:<9}  {:<23}  {:<30}  {}",
+            j.id,
+            j.attempt,
+            j.state.as_str(),
+            j.due_ms.map(utc).unwrap_or_else(|| "-".into()),
+            cell(j.last_error.as_deref().unwrap_or("-"), 30),
+            cell(j.payload.as_deref().unwrap_or("-"), 40),
+        );
+    }
+    if let Some(last) = jobs.last() {
+        let _ = writeln!(out, "(next page: --after {})", last.id);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unix_milliseconds_read_as_utc_dates() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(1_796_490_621_635), "2026-12-05 17:10:21 UTC");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00 UTC");
+    }
+
+    #[test]
+    fn cells_are_one_line_and_cut() {
+        assert_eq!(cell("a\nb", 10), "a b");
+        assert_eq!(cell("abcdef", 4), "abc…");
+    }
+}

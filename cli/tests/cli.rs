@@ -1,0 +1,178 @@
+//! The `sqlx-broker` binary against real databases (SQLite, PostgreSQL, MariaDB): what it
+//! prints, what it changes, and the exit status of a refusal.
+
+use std::process::{Command, Output};
+
+use broker_core::{Broker, ColumnType, DeadLetter, NewJob, Payload, TableDescription};
+
+fn table(name: &str) -> TableDescription {
+    TableDescription::builder(name)
+        .payload("payload", ColumnType::Text)
+        .locked_until("locked_until")
+        .due_at("due_at")
+        .processed_at("done_at")
+        .last_error("last_error")
+        .max_attempts(1)
+        .dead_letter(DeadLetter::Column("dead_at".into()))
+        .build()
+        .unwrap()
+}
+
+/// Runs the binary on `url` and `table` with `args`.
+fn cli(url: &str, table: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args([
+            "--url",
+            url,
+            "--table",
+            table,
+            "--payload",
+            "payload",
+            "--locked-until",
+            "locked_until",
+            "--due-at",
+            "due_at",
+            "--processed-at",
+            "done_at",
+            "--last-error",
+            "last_error",
+            "--max-attempts",
+            "1",
+            "--dead-letter-column",
+            "dead_at",
+        ])
+        .args(args)
+        .output()
+        .expect("run sqlx-broker")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Publishes four rows and dead-letters the first; returns the ids.
+async fn prepare<B: broker_core::Backend>(broker: &Broker<B>, t: &TableDescription) -> Vec<i64>
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    broker.create_tables(t).await.unwrap();
+    let q = broker.queue::<Payload<String>>(t.clone()).await.unwrap();
+    let ids = q
+        .publish_batch(
+            &(0..4)
+                .map(|i| NewJob::new(format!("job-{i}")))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    let d = q.claim(1).await.unwrap().pop().unwrap();
+    d.dead_letter().await.unwrap();
+    ids
+}
+
+/// The commands in order, on a database at `url` whose table `name` `prepare` filled.
+fn exercise(url: &str, name: &str, ids: &[i64]) {
+    let o = cli(url, name, &["--json", "stats"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(s["due"]["rows"], 3, "{s}");
+    assert_eq!(s["dead"]["rows"], 1, "{s}");
+    assert_eq!(s["paused"], serde_json::Value::Null);
+
+    let o = cli(url, name, &["dead", "list"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(&ids[0].to_string()), "{}", stdout(&o));
+
+    let id = ids[0].to_string();
+    let o = cli(url, name, &["dead", "requeue", "--id", &id]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "1 rows requeued\n");
+    let o = cli(url, name, &["dead", "requeue", "--id", &id]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "requeueing a row that is no dead letter"
+    );
+    assert!(
+        stderr(&o).contains("among the dead letters"),
+        "{}",
+        stderr(&o)
+    );
+
+    let o = cli(url, name, &["pause", "--by", "the test"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = cli(url, name, &["stats"]);
+    assert!(
+        stdout(&o).contains("PAUSED") && stdout(&o).contains("the test"),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(url, name, &["pause"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("paused already"), "{}", stderr(&o));
+    assert!(cli(url, name, &["resume"]).status.success());
+
+    let o = cli(url, name, &["cancel", &ids[1].to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = cli(url, name, &["cancel", "987654321"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no row 987654321"), "{}", stderr(&o));
+    let o = cli(url, name, &["--json", "jobs", "due"]);
+    let due: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(due.as_array().map(Vec::len), Some(3), "{due}");
+
+    let o = cli(url, name, &["purge", "--older-than", "1d"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "0 rows purged\n");
+    let o = cli(url, name, &["jobs", "sleeping"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "an unknown state is a usage error"
+    );
+    assert!(stderr(&o).contains("in-work"), "{}", stderr(&o));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_operates_a_sqlite_queue() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = table("cli_jobs");
+    let ids = prepare(&broker, &t).await;
+    broker.close().await;
+    exercise(&url, t.name(), &ids);
+    let o = cli(&url, t.name(), &["doctor"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_operates_a_postgres_queue() {
+    let url = std::env::var("SQLX_BROKER_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let broker = broker_postgres::PgBackend::connect(&url).await.unwrap();
+    let t = table(&broker_testkit::unique_name("cli"));
+    let ids = prepare(&broker, &t).await;
+    exercise(&url, t.name(), &ids);
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_operates_a_mariadb_queue() {
+    let url = std::env::var("SQLX_BROKER_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let broker = broker_mysql::MySqlBackend::connect(&url).await.unwrap();
+    let t = table(&broker_testkit::unique_name("cli"));
+    let ids = prepare(&broker, &t).await;
+    exercise(&url, t.name(), &ids);
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+}
