@@ -128,6 +128,9 @@ struct DbResult {
     /// Seconds the publishes took, each round, many queues then one.
     publish_many: Vec<f64>,
     publish_one: Vec<f64>,
+    /// Claims that failed (the engine retries them) while draining, many queues then one.
+    claim_errors_many: u64,
+    claim_errors_one: u64,
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -409,7 +412,11 @@ where
         one: vec![],
         publish_many: vec![],
         publish_one: vec![],
+        claim_errors_many: 0,
+        claim_errors_one: 0,
     };
+    let claim_errors =
+        |subs: &[&Subscription]| subs.iter().map(|s| s.metrics().claim_errors).sum::<u64>();
     let acked = |subs: &[&Subscription]| subs.iter().map(|s| s.metrics().acked).sum::<u64>();
     let many_subs: Vec<&Subscription> = subs.iter().collect();
     for round in 0..args.rounds {
@@ -417,28 +424,32 @@ where
         let stop = Arc::new(AtomicBool::new(false));
         let most = watch_out(consumer.pool().clone(), stop.clone());
         let before = acked(&many_subs);
+        let errors_before = claim_errors(&many_subs);
         let started = Instant::now();
         for q in &into {
             q.publish_batch(&batch).await?;
         }
         let published = started.elapsed();
-        let took = wait_acked(|| acked(&many_subs) - before, total).await?;
+        let took = wait_acked(started, || acked(&many_subs) - before, total).await?;
         stop.store(true, Ordering::Relaxed);
+        result.claim_errors_many += claim_errors(&many_subs) - errors_before;
         result.out_in_drain = result.out_in_drain.max(most.load(Ordering::Relaxed));
         result.many.push(took.as_secs_f64());
         result.publish_many.push(published.as_secs_f64());
         // One queue: as many batches into it.
         let before = acked(&[&one_sub]);
+        let errors_before = claim_errors(&[&one_sub]);
         let started = Instant::now();
         for _ in 0..args.queues {
             into_one.publish_batch(&batch).await?;
         }
         let published = started.elapsed();
-        let took_one = wait_acked(|| acked(&[&one_sub]) - before, total).await?;
+        let took_one = wait_acked(started, || acked(&[&one_sub]) - before, total).await?;
+        result.claim_errors_one += claim_errors(&[&one_sub]) - errors_before;
         result.one.push(took_one.as_secs_f64());
         result.publish_one.push(published.as_secs_f64());
         eprintln!(
-            "round {}: {} queues x {} rows in {:.3} s ({:.0} rows/s), 1 queue x {total} rows in {:.3} s ({:.0} rows/s)",
+            "round {}: {} queues x {} rows in {:.3} s ({:.0} rows/s), 1 queue x {total} rows in {:.3} s ({:.0} rows/s); failed claims so far {} / {}",
             round + 1,
             args.queues,
             args.rows,
@@ -446,6 +457,8 @@ where
             rate(total, took.as_secs_f64()),
             took_one.as_secs_f64(),
             rate(total, took_one.as_secs_f64()),
+            result.claim_errors_many,
+            result.claim_errors_one,
         );
     }
     for s in subs {
@@ -455,11 +468,14 @@ where
     Ok(result)
 }
 
-/// Waits until `acked()` reaches `total`; the time since the call (the publishes are part of it:
-/// the caller started its clock before them).
-async fn wait_acked(acked: impl Fn() -> u64, total: usize) -> Result<Duration, BoxError> {
+/// Waits until `acked()` reaches `total`; the time since `started` (the caller's clock, started
+/// before its publishes).
+async fn wait_acked(
+    started: Instant,
+    acked: impl Fn() -> u64,
+    total: usize,
+) -> Result<Duration, BoxError> {
     let total = u64::try_from(total)?;
-    let started = Instant::now();
     let limit = Duration::from_secs(120);
     loop {
         let n = acked();
@@ -522,7 +538,7 @@ fn markdown(
             if many > 0.0 { one / many } else { 0.0 },
         );
     }
-    md.push_str("\nEvery round (s from first publish to last ack; of it, publishing):\n\n| database | many | one |\n|---|---|---|\n");
+    md.push_str("\nEvery round (s from first publish to last ack; of it, publishing), and the claims that failed while draining (the engine retries them), all rounds:\n\n| database | many | one | failed claims many / one |\n|---|---|---|---:|\n");
     for r in results {
         let fmt = |t: &[f64], p: &[f64]| {
             t.iter()
@@ -533,10 +549,12 @@ fn markdown(
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {} |",
+            "| {} | {} | {} | {} / {} |",
             r.db.label(),
             fmt(&r.many, &r.publish_many),
-            fmt(&r.one, &r.publish_one)
+            fmt(&r.one, &r.publish_one),
+            r.claim_errors_many,
+            r.claim_errors_one,
         );
     }
     let _ = writeln!(
