@@ -28,9 +28,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use benches::BoxError;
+use benches::Timed;
 use benches::drain::{self, Row};
 use benches::host;
 use benches::scenario::Db;
+use benches::timed::{Op, OpTotals, Stats, StatsSnapshot};
 use broker_core::{
     Backend, Broker, ClaimMode, NewJob, Outcome, Queue, SubscribeOptions, Subscription,
     TableDescription,
@@ -131,6 +133,48 @@ struct DbResult {
     /// Claims that failed (the engine retries them) while draining, many queues then one.
     claim_errors_many: u64,
     claim_errors_one: u64,
+    /// Claims the idle subscriptions made per second during the idle reading.
+    idle_claims_per_s: f64,
+    /// Claims and settlements while draining, all rounds, many queues then one.
+    calls_many: Calls,
+    calls_one: Calls,
+}
+
+/// Claims and settlements made through a [`Timed`] backend, summed over rounds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Calls {
+    claims: OpTotals,
+    settles: OpTotals,
+}
+
+impl Calls {
+    /// Adds what `stats` counted since `before`.
+    fn add(&mut self, stats: &Stats, before: &StatsSnapshot) {
+        let d = stats.snapshot().since(before);
+        for (sum, op) in [
+            (&mut self.claims, Op::Claim),
+            (&mut self.settles, Op::Settle),
+        ] {
+            let o = d.op(op);
+            sum.calls += o.calls;
+            sum.nanos += o.nanos;
+            sum.rows += o.rows;
+        }
+    }
+
+    /// `claims (rows per claim, mean ms) / settlements (mean ms)`, per 1,000 rows.
+    fn describe(&self, rows: u64) -> String {
+        let per_k =
+            |n: u64| benches::timed::count_f64(n) * 1000.0 / benches::timed::count_f64(rows.max(1));
+        format!(
+            "{:.0} claims ({:.1} rows, {:.1} ms each), {:.0} settlements ({:.1} ms each)",
+            per_k(self.claims.calls),
+            self.claims.rows_per_call(),
+            self.claims.mean_ms(),
+            per_k(self.settles.calls),
+            self.settles.mean_ms(),
+        )
+    }
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -198,9 +242,9 @@ async fn on_postgres(args: &Args) -> Result<DbResult, BoxError> {
     let out = measure(
         Db::Postgres,
         args,
-        Broker::new(PgBackend::new(consumer.clone())),
-        Broker::new(PgBackend::new(single.clone())),
-        Broker::new(PgBackend::new(publisher.clone())),
+        Broker::new(Timed::new(PgBackend::new(consumer.clone()))),
+        Broker::new(Timed::new(PgBackend::new(single.clone()))),
+        Broker::new(Timed::new(PgBackend::new(publisher.clone()))),
         Some((monitor.clone(), app_name("many"))),
     )
     .await;
@@ -226,9 +270,9 @@ async fn on_mariadb(args: &Args) -> Result<DbResult, BoxError> {
     let out = measure(
         Db::MariaDb,
         args,
-        Broker::new(MySqlBackend::new(consumer.clone())),
-        Broker::new(MySqlBackend::new(single.clone())),
-        Broker::new(MySqlBackend::new(publisher.clone())),
+        Broker::new(Timed::new(MySqlBackend::new(consumer.clone()))),
+        Broker::new(Timed::new(MySqlBackend::new(single.clone()))),
+        Broker::new(Timed::new(MySqlBackend::new(publisher.clone()))),
         None,
     )
     .await;
@@ -255,9 +299,9 @@ async fn on_sqlite(args: &Args) -> Result<DbResult, BoxError> {
     let out = measure(
         Db::Sqlite,
         args,
-        Broker::new(SqliteBackend::new(consumer.clone())),
-        Broker::new(SqliteBackend::new(single.clone())),
-        Broker::new(SqliteBackend::new(publisher.clone())),
+        Broker::new(Timed::new(SqliteBackend::new(consumer.clone()))),
+        Broker::new(Timed::new(SqliteBackend::new(single.clone()))),
+        Broker::new(Timed::new(SqliteBackend::new(publisher.clone()))),
         None,
     )
     .await;
@@ -309,9 +353,9 @@ async fn sessions(monitor: &PgPool, app: &str) -> Result<i64, BoxError> {
 async fn measure<B: Backend>(
     db: Db,
     args: &Args,
-    consumer: Broker<B>,
-    single: Broker<B>,
-    publisher: Broker<B>,
+    consumer: Broker<Timed<B>>,
+    single: Broker<Timed<B>>,
+    publisher: Broker<Timed<B>>,
     pg_sessions: Option<(PgPool, String)>,
 ) -> Result<DbResult, BoxError>
 where
@@ -352,9 +396,9 @@ where
 async fn measure_on<B: Backend>(
     db: Db,
     args: &Args,
-    consumer: &Broker<B>,
-    single: &Broker<B>,
-    publisher: &Broker<B>,
+    consumer: &Broker<Timed<B>>,
+    single: &Broker<Timed<B>>,
+    publisher: &Broker<Timed<B>>,
     tables: &[TableDescription],
     one: &TableDescription,
     pg_sessions: Option<(PgPool, String)>,
@@ -365,7 +409,7 @@ where
 {
     let handler = |_job| async { Outcome::Ack };
     let mut subs: Vec<Subscription> = Vec::new();
-    let mut into: Vec<Queue<B, Row>> = Vec::new();
+    let mut into: Vec<Queue<Timed<B>, Row>> = Vec::new();
     for (i, t) in tables.iter().enumerate() {
         let q = consumer.queue::<Row>(t.clone()).await?;
         subs.push(q.subscribe(options(args, format!("q{i}")), handler)?);
@@ -380,6 +424,7 @@ where
     tokio::time::sleep(Duration::from_secs_f64(args.settle)).await;
     let stop = Arc::new(AtomicBool::new(false));
     let most = watch_out(consumer.pool().clone(), stop.clone());
+    let idle_before = consumer.backend().stats().snapshot();
     let reading = Instant::now();
     let mut most_sessions = None;
     while reading.elapsed().as_secs_f64() < args.idle {
@@ -390,10 +435,19 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop.store(true, Ordering::Relaxed);
+    let idle_claims = consumer
+        .backend()
+        .stats()
+        .snapshot()
+        .since(&idle_before)
+        .op(Op::Claim)
+        .calls;
+    let idle_claims_per_s =
+        benches::timed::count_f64(idle_claims) / reading.elapsed().as_secs_f64();
     let out_at_idle = most.load(Ordering::Relaxed);
     let open_at_idle = consumer.pool().size();
     eprintln!(
-        "idle: at most {out_at_idle} of {open_at_idle} open connections out of the pool (size {}){}",
+        "idle: at most {out_at_idle} of {open_at_idle} open connections out of the pool (size {}), {idle_claims_per_s:.0} claims/s{}",
         args.pool,
         most_sessions.map_or(String::new(), |s| format!(", {s} server sessions"))
     );
@@ -414,6 +468,9 @@ where
         publish_one: vec![],
         claim_errors_many: 0,
         claim_errors_one: 0,
+        idle_claims_per_s,
+        calls_many: Calls::default(),
+        calls_one: Calls::default(),
     };
     let claim_errors =
         |subs: &[&Subscription]| subs.iter().map(|s| s.metrics().claim_errors).sum::<u64>();
@@ -425,6 +482,7 @@ where
         let most = watch_out(consumer.pool().clone(), stop.clone());
         let before = acked(&many_subs);
         let errors_before = claim_errors(&many_subs);
+        let stats_before = consumer.backend().stats().snapshot();
         let started = Instant::now();
         for q in &into {
             q.publish_batch(&batch).await?;
@@ -433,12 +491,16 @@ where
         let took = wait_acked(started, || acked(&many_subs) - before, total).await?;
         stop.store(true, Ordering::Relaxed);
         result.claim_errors_many += claim_errors(&many_subs) - errors_before;
+        result
+            .calls_many
+            .add(consumer.backend().stats(), &stats_before);
         result.out_in_drain = result.out_in_drain.max(most.load(Ordering::Relaxed));
         result.many.push(took.as_secs_f64());
         result.publish_many.push(published.as_secs_f64());
         // One queue: as many batches into it.
         let before = acked(&[&one_sub]);
         let errors_before = claim_errors(&[&one_sub]);
+        let stats_before = single.backend().stats().snapshot();
         let started = Instant::now();
         for _ in 0..args.queues {
             into_one.publish_batch(&batch).await?;
@@ -446,6 +508,9 @@ where
         let published = started.elapsed();
         let took_one = wait_acked(started, || acked(&[&one_sub]) - before, total).await?;
         result.claim_errors_one += claim_errors(&[&one_sub]) - errors_before;
+        result
+            .calls_one
+            .add(single.backend().stats(), &stats_before);
         result.one.push(took_one.as_secs_f64());
         result.publish_one.push(published.as_secs_f64());
         eprintln!(
@@ -555,6 +620,18 @@ fn markdown(
             fmt(&r.one, &r.publish_one),
             r.claim_errors_many,
             r.claim_errors_one,
+        );
+    }
+    md.push_str("\nWhat the consumers ran (per 1,000 rows, all rounds; the statements' time as the client saw it, waits for a connection and a lock included), and the claims the idle subscriptions made per second:\n\n| database | many | one | idle claims/s |\n|---|---|---|---:|\n");
+    let rows = u64::try_from(total * args.rounds).unwrap_or(u64::MAX);
+    for r in results {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.0} |",
+            r.db.label(),
+            r.calls_many.describe(rows),
+            r.calls_one.describe(rows),
+            r.idle_claims_per_s,
         );
     }
     let _ = writeln!(
