@@ -119,6 +119,8 @@ struct DbResult {
     open_at_idle: u32,
     /// The most connections out of the consumer's pool during the idle reading.
     out_at_idle: u32,
+    /// The share of the idle readings with more than 2 out, per cent.
+    above_two_pct: f64,
     /// PostgreSQL: the most server sessions of the consumer's application name.
     sessions_at_idle: Option<i64>,
     /// The most connections out of the consumer's pool while the many queues drained.
@@ -327,17 +329,45 @@ fn out_of<DB: Database>(pool: &sqlx::Pool<DB>) -> u32 {
         .saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX))
 }
 
-/// Reads the most connections out of `pool` every 5 ms until `stop` is set.
-fn watch_out<DB: Database>(pool: sqlx::Pool<DB>, stop: Arc<AtomicBool>) -> Arc<AtomicU32> {
-    let most = Arc::new(AtomicU32::new(0));
-    let seen = most.clone();
+/// Connections out of a pool, read every 5 ms.
+#[derive(Debug, Default)]
+struct OutReading {
+    /// The most out at once.
+    most: AtomicU32,
+    /// Readings taken.
+    samples: AtomicU32,
+    /// Readings with more than 2 out.
+    above_two: AtomicU32,
+}
+
+impl OutReading {
+    fn most(&self) -> u32 {
+        self.most.load(Ordering::Relaxed)
+    }
+
+    /// The share of readings with more than 2 out, in per cent.
+    fn above_two_pct(&self) -> f64 {
+        let n = f64::from(self.samples.load(Ordering::Relaxed).max(1));
+        f64::from(self.above_two.load(Ordering::Relaxed)) * 100.0 / n
+    }
+}
+
+/// Reads the connections out of `pool` every 5 ms until `stop` is set.
+fn watch_out<DB: Database>(pool: sqlx::Pool<DB>, stop: Arc<AtomicBool>) -> Arc<OutReading> {
+    let reading = Arc::new(OutReading::default());
+    let r = reading.clone();
     tokio::spawn(async move {
         while !stop.load(Ordering::Relaxed) {
-            seen.fetch_max(out_of(&pool), Ordering::Relaxed);
+            let out = out_of(&pool);
+            r.most.fetch_max(out, Ordering::Relaxed);
+            r.samples.fetch_add(1, Ordering::Relaxed);
+            if out > 2 {
+                r.above_two.fetch_add(1, Ordering::Relaxed);
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     });
-    most
+    reading
 }
 
 /// The server sessions of `app` on PostgreSQL.
@@ -444,10 +474,11 @@ where
         .calls;
     let idle_claims_per_s =
         benches::timed::count_f64(idle_claims) / reading.elapsed().as_secs_f64();
-    let out_at_idle = most.load(Ordering::Relaxed);
+    let out_at_idle = most.most();
+    let above_two_pct = most.above_two_pct();
     let open_at_idle = consumer.pool().size();
     eprintln!(
-        "idle: at most {out_at_idle} of {open_at_idle} open connections out of the pool (size {}), {idle_claims_per_s:.0} claims/s{}",
+        "idle: at most {out_at_idle} of {open_at_idle} open connections out of the pool (size {}; more than 2 in {above_two_pct:.1}% of readings), {idle_claims_per_s:.0} claims/s{}",
         args.pool,
         most_sessions.map_or(String::new(), |s| format!(", {s} server sessions"))
     );
@@ -460,6 +491,7 @@ where
         db,
         open_at_idle,
         out_at_idle,
+        above_two_pct,
         sessions_at_idle: most_sessions,
         out_in_drain: 0,
         many: vec![],
@@ -494,7 +526,7 @@ where
         result
             .calls_many
             .add(consumer.backend().stats(), &stats_before);
-        result.out_in_drain = result.out_in_drain.max(most.load(Ordering::Relaxed));
+        result.out_in_drain = result.out_in_drain.max(most.most());
         result.many.push(took.as_secs_f64());
         result.publish_many.push(published.as_secs_f64());
         // One queue: as many batches into it.
@@ -566,7 +598,7 @@ fn markdown(
          {q} lease tables on one broker whose pool has {p} connections, one subscription each \
          (concurrency {c}, batch {c}, poll 1 s, cooldown 25 ms: the defaults but the \
          concurrency). **Idle**: after {settle} s to settle, the most connections out of the \
-         pool (size - idle, read every 5 ms for {idle} s); on PostgreSQL also the server \
+         pool (size - idle, read every 5 ms for {idle} s, and the share of readings above 2); on PostgreSQL also the server \
          sessions of the pool's application name (its connections and the broker's listening \
          connection). **Many**: {r} rows published into each queue (one batch per queue, queue \
          after queue) from another broker on a pool of its own (so only the database wakes the \
@@ -575,8 +607,8 @@ fn markdown(
          one subscription with the same options drains, on a broker whose pool also has {p} \
          connections. Many and one alternate, {rounds} rounds each; medians. Want: at most 2 \
          connections out at idle; ratio about 1.\n\n\
-         | database | open / out at idle | server sessions at idle | out while draining | many: s (rows/s) | one: s (rows/s) | many / one |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n",
+         | database | open / most out at idle | readings with > 2 out | server sessions at idle | out while draining | many: s (rows/s) | one: s (rows/s) | many / one |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
         q = args.queues,
         p = args.pool,
         c = args.concurrency,
@@ -589,10 +621,11 @@ fn markdown(
         let (many, one) = (median(&r.many), median(&r.one));
         let _ = writeln!(
             md,
-            "| {} | {} / **{}** | {} | {} | {:.3} ({:.0}) | {:.3} ({:.0}) | **{:.2}** |",
+            "| {} | {} / **{}** | {:.1}% | {} | {} | {:.3} ({:.0}) | {:.3} ({:.0}) | **{:.2}** |",
             r.db.label(),
             r.open_at_idle,
             r.out_at_idle,
+            r.above_two_pct,
             r.sessions_at_idle
                 .map_or_else(|| "-".to_owned(), |s| s.to_string()),
             r.out_in_drain,
