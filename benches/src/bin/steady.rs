@@ -1139,6 +1139,9 @@ where
         eprintln!("producer: {line}");
     }
     eprintln!("{}", summary(args, out, piled_label));
+    for want in wants(args, out) {
+        eprintln!("{want}");
+    }
     drop_table(broker, tables, &table).await?;
     Ok(())
 }
@@ -1159,11 +1162,20 @@ fn producer_label(args: &Args) -> String {
     }
 }
 
-/// A running producer process.
+/// A file removed when this drops: the pgbench script goes however the run ends.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A running producer process (killed if this drops before it ended).
 struct Producer {
     child: tokio::process::Child,
-    /// The pgbench script, removed when the producer is done.
-    script: Option<PathBuf>,
+    /// The pgbench script.
+    script: Option<TempFile>,
     /// How long past the run it may take before it is killed.
     grace: Duration,
     seconds: u64,
@@ -1190,9 +1202,10 @@ fn start_producer(args: &Args, table: &str, rate: f64) -> Result<Producer, BoxEr
                     "{kset}INSERT INTO \"{table}\" (payload, inserted_us{kcol}) VALUES ('job', (extract(epoch FROM clock_timestamp()) * 1000000)::bigint{kval});\n"
                 ),
             )?;
+            let path = TempFile(path);
             cmd = tokio::process::Command::new("pgbench");
             cmd.args(["-n", "-f"])
-                .arg(&path)
+                .arg(&path.0)
                 .args(["-R", &format!("{rate:.1}"), "-T", &args.seconds.to_string()])
                 .args(["-c", &args.producers.to_string()])
                 .args(["-j", &args.producers.clamp(1, 2).to_string()])
@@ -1244,9 +1257,7 @@ impl Producer {
             child.wait_with_output(),
         )
         .await;
-        if let Some(s) = script {
-            let _ = std::fs::remove_file(s);
-        }
+        drop(script);
         let output = waited.map_err(|_| "the producer did not end in time (killed)")??;
         let stdout = String::from_utf8_lossy(&output.stdout);
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -1406,6 +1417,31 @@ fn rate_between(windows: &[Window], from: f64, to: f64) -> Option<f64> {
     (secs > 0.0).then(|| benches::timed::count_f64(rows) / secs)
 }
 
+/// The rate at the start against the rate at the end: the first minute against the last when
+/// the run is two minutes or more, else the first window against the last.
+fn start_and_end(w: &[Window]) -> (&'static str, f64, f64) {
+    let (Some(first), Some(last)) = (w.first(), w.last()) else {
+        return ("no window", 0.0, 0.0);
+    };
+    if last.end >= 120.0 {
+        (
+            "first minute -> last minute",
+            rate_between(w, 0.0, 60.0).unwrap_or(0.0),
+            rate_between(w, last.end - 60.0, last.end).unwrap_or(0.0),
+        )
+    } else {
+        ("first window -> last window", first.rate(), last.rate())
+    }
+}
+
+/// The lowest window's rate as a share of the first window's.
+fn lowest_share(w: &[Window]) -> f64 {
+    let first = w.first().map_or(0.0, Window::rate);
+    w.iter()
+        .map(|x| ratio(x.rate(), first))
+        .fold(f64::INFINITY, f64::min)
+}
+
 fn summary(args: &Args, out: &Measured, piled_label: &str) -> String {
     let w = &out.windows;
     let Some((first, last)) = w.first().zip(w.last()) else {
@@ -1413,21 +1449,7 @@ fn summary(args: &Args, out: &Measured, piled_label: &str) -> String {
     };
     let handled: u64 = w.iter().map(|w| w.handled).sum();
     let secs = last.end;
-    // First minute against last minute when the run is two minutes or more; else first window
-    // against last.
-    let (span, first_rate, last_rate) = if secs >= 120.0 {
-        (
-            "first minute -> last minute",
-            rate_between(w, 0.0, 60.0).unwrap_or(0.0),
-            rate_between(w, secs - 60.0, secs).unwrap_or(0.0),
-        )
-    } else {
-        ("first window -> last window", first.rate(), last.rate())
-    };
-    let lowest = w
-        .iter()
-        .map(|x| ratio(x.rate(), first.rate()))
-        .fold(f64::INFINITY, f64::min);
+    let (span, first_rate, last_rate) = start_and_end(w);
     let rss_most = w.iter().filter_map(|x| x.rss_kib).max();
     format!(
         "summary: {handled} rows handled in {secs:.0} s ({:.0} rows/s, producer asked {:.0}); lag p50 {} ms, p99 {} ms, max {} ms; depth at the end {}; {span} rate {:.0} -> {:.0} ({:.2}); lowest window / first window {:.2}; RSS first {} MiB, last {} MiB, most {} MiB; {piled_label} at the end {}",
@@ -1440,12 +1462,57 @@ fn summary(args: &Args, out: &Measured, piled_label: &str) -> String {
         first_rate,
         last_rate,
         ratio(last_rate, first_rate),
-        lowest,
+        lowest_share(w),
         mib(first.rss_kib),
         mib(last.rss_kib),
         mib(rss_most),
         last.piled.map_or_else(|| "-".to_owned(), |p| p.to_string()),
     )
+}
+
+/// The issue's wants that apply to this run, each with the figure it is read against: printed,
+/// never asserted.
+fn wants(args: &Args, out: &Measured) -> Vec<String> {
+    let w = &out.windows;
+    let (Some(first), Some(last)) = (w.first(), w.last()) else {
+        return Vec::new();
+    };
+    let met = |ok: bool| if ok { "met" } else { "NOT met" };
+    let rate = out.rate.unwrap_or(args.rate);
+    let mut v = Vec::new();
+    if args.db == Db::Postgres && !args.overload && (rate - 2000.0).abs() <= 100.0 {
+        let p99 = out.total.quantile(990);
+        v.push(format!(
+            "want: at 2,000 rows/s on PostgreSQL, lag p99 under 100 ms: {} ms, {}",
+            ms(p99),
+            met(p99.is_some_and(|p| p < Duration::from_millis(100)))
+        ));
+    }
+    if args.overload {
+        let lowest = lowest_share(w);
+        v.push(format!(
+            "want: overloaded, every window at 0.9 or more of the first's rate: lowest {lowest:.2}, {}",
+            met(lowest >= 0.9)
+        ));
+    } else if args.rate_of_max.is_some() || last.end >= 120.0 {
+        let (span, a, b) = start_and_end(w);
+        let r = ratio(b, a);
+        v.push(format!(
+            "want: the rate within 10% from start to end ({span}): {r:.2}, {}; depth at the end {}",
+            met((0.9..=1.1).contains(&r)),
+            last.depth
+        ));
+        if let (Some(a), Some(b)) = (first.rss_kib, last.rss_kib) {
+            let growth =
+                (benches::timed::count_f64(b) / benches::timed::count_f64(a.max(1)) - 1.0) * 100.0;
+            v.push(format!(
+                "want: memory flat: RSS {} -> {} MiB ({growth:+.1}%)",
+                mib(Some(a)),
+                mib(Some(b))
+            ));
+        }
+    }
+    v
 }
 
 fn markdown(args: &Args, out: &Measured, piled_label: &str) -> String {
@@ -1502,6 +1569,10 @@ fn markdown(args: &Args, out: &Measured, piled_label: &str) -> String {
         let _ = writeln!(md, "{}", row(w, first));
     }
     let _ = writeln!(md, "\n{}\n", summary(args, out, piled_label));
+    for want in wants(args, out) {
+        let _ = writeln!(md, "- {want}");
+    }
+    md.push('\n');
     if !out.producer.is_empty() {
         md.push_str("Producer's report:\n\n```\n");
         for l in &out.producer {
