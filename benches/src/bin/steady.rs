@@ -88,8 +88,9 @@ struct Args {
     /// The subscription's poll cooldown, in seconds (default: the engine's, 25 ms).
     #[arg(long)]
     poll_cooldown: Option<f64>,
-    /// Producer connections (pgbench clients, or tasks of the producer process).
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Producer connections (pgbench clients, or tasks of the producer process): each waits
+    /// for its insert's commit, so a few are needed to keep a rate of thousands on a slow disk.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     producers: u32,
     /// Keep a snapshot open on a connection of its own for the whole run (PostgreSQL: a
     /// REPEATABLE READ transaction, holding back vacuum; MariaDB: a consistent snapshot,
