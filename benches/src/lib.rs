@@ -13,6 +13,15 @@
 //!   [`backlog`] (rows that cannot be claimed ahead of those that can) and how a claim's time
 //!   grows with the table, and writes `benches/results/backlog-quick.md` and `.svg`.
 //!
+//! - `cargo run -p benches --release --bin queues` puts 50 queue tables with a subscription
+//!   each on one pool of 10 connections (issue #32): the connections they hold at idle, and how
+//!   fast 100 rows in each drain against 5,000 rows in one; writes `benches/results/queues.md`.
+//! - `cargo run -p benches --release --bin steady -- --db postgres --rate 2000` drains a table
+//!   that an outside producer (pgbench, or a second process) fills at a fixed rate, and prints
+//!   per 10 s the rows handled, the queue depth, the insert-to-handler lag and the process's
+//!   memory; `--max` measures the consumer's top rate, `--overload` runs the producer above it
+//!   (issue #32); writes `benches/results/steady-<db>.md`.
+//!
 //! PostgreSQL and MariaDB are found at `SQLX_BROKER_PG_URL` and `SQLX_BROKER_MYSQL_URL`
 //! (defaults: the local test servers); a selected database that cannot be reached fails the run
 //! with a message naming its URL. SQLite runs in a temporary file.
@@ -35,6 +44,8 @@ pub mod backlog;
 pub mod cli;
 pub mod drain;
 pub mod handwritten;
+pub mod host;
+pub mod lag;
 pub mod peer;
 pub mod report;
 pub mod run;
