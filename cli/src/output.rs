@@ -24,7 +24,12 @@ impl Out {
         match self {
             Out::Stats(s) => stats(s),
             Out::Jobs(jobs) => jobs_table(jobs),
-            Out::Count { what, rows } => format!("{rows} rows {what}\n"),
+            Out::Count { what, rows } => {
+                format!(
+                    "{rows} {} {what}\n",
+                    if *rows == 1 { "row" } else { "rows" }
+                )
+            }
             Out::Done(text) => format!("{text}\n"),
             Out::Doctor(report) => report.to_string(),
         }

@@ -91,7 +91,7 @@ fn exercise(url: &str, name: &str, ids: &[i64]) {
     let id = ids[0].to_string();
     let o = cli(url, name, &["dead", "requeue", "--id", &id]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(stdout(&o), "1 rows requeued\n");
+    assert_eq!(stdout(&o), "1 row requeued\n");
     let o = cli(url, name, &["dead", "requeue", "--id", &id]);
     assert_eq!(
         o.status.code(),
