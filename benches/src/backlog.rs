@@ -220,7 +220,7 @@ pub fn fill_sql(
 }
 
 /// The statement that brings the table's planner statistics up to date.
-fn analyze_sql(db: Db, table: &str) -> String {
+pub fn analyze_sql(db: Db, table: &str) -> String {
     match db {
         Db::Postgres => format!("ANALYZE \"{table}\""),
         Db::MariaDb => format!("ANALYZE TABLE `{table}`"),

@@ -198,7 +198,93 @@ impl Admin<'_> {
             .map_err(|e| SqlxBrokerError::statement(table, "admin begin", e))
     }
 
+    /// The planner's estimate of the rows in `table` (from its statistics, scaled to its size
+    /// now): one `EXPLAIN`, no rows read.
+    async fn planned_rows(&self, t: &TableDescription, table: &str) -> Result<u64> {
+        let q = self.query(format!("EXPLAIN SELECT 1 FROM {table}"));
+        let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "stats estimate", e))?;
+        let plan: String = rows
+            .first()
+            .and_then(|r| r.try_get::<String, _>(0).ok())
+            .unwrap_or_default();
+        // "Seq Scan on jobs  (cost=0.00..1541.00 rows=100000 width=0)"
+        Ok(plan
+            .split("rows=")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0))
+    }
+
+    /// Counts by state. Up to [`EXACT_ROWS`](broker_core::admin::EXACT_ROWS) rows (by the
+    /// planner's estimate) every row is read and the counts are exact; past that, the counts
+    /// come from a sample of the table's pages (`TABLESAMPLE SYSTEM`, about that many rows)
+    /// scaled to the table and are marked as estimates, and the oldest due row is found
+    /// through the claim index, so one call stays cheap on a table of millions.
     pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
+        let planned = self.planned_rows(t, &ident(t.name())).await?;
+        let exact_rows = broker_core::admin::EXACT_ROWS;
+        if planned <= exact_rows {
+            return self.counted(t, now_ms, None).await;
+        }
+        // Precision loss is irrelevant to a sampling percentage.
+        #[allow(clippy::cast_precision_loss)]
+        let percent = (exact_rows as f64 * 100.0 / planned as f64).clamp(0.001, 100.0);
+        let mut counts = self.counted(t, now_ms, Some(percent)).await?;
+        counts.oldest_due_ms = self.oldest_due(t, now_ms).await?;
+        if let Some(d) = Frag::new(t).dead_table() {
+            let planned_dead = self.planned_rows(t, &d).await?;
+            counts.dead = Some(if planned_dead <= exact_rows {
+                let n: i64 = self
+                    .fetch_one(t, "stats", self.query(format!("SELECT count(*) FROM {d}")))
+                    .await?
+                    .try_get(0)
+                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+                Count::exact(u64::try_from(n).unwrap_or(0))
+            } else {
+                Count::estimate(planned_dead)
+            });
+        }
+        Ok(counts)
+    }
+
+    /// The due time of the oldest row a claim could take now, through the claim index.
+    async fn oldest_due(&self, t: &TableDescription, now_ms: i64) -> Result<Option<i64>> {
+        let Some(d) = t.due_at() else {
+            return Ok(None);
+        };
+        let f = Frag::new(t);
+        let sql = format!(
+            "{with}SELECT {due_ms} FROM {table} AS q WHERE {unf} AND {due} AND NOT {held} \
+             ORDER BY {key} LIMIT 1",
+            with = f.held_locks(),
+            due_ms = ms_or_null(&f.col(d)),
+            table = f.table,
+            unf = f.unfinished(),
+            due = f.due(),
+            held = f.held(),
+            key = due_key(&f.col(d)),
+        );
+        let q = self.query(sql).bind(now_ms);
+        let row = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_optional(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+        row.map(|r| r.try_get::<Option<i64>, _>(0))
+            .transpose()
+            .map(Option::flatten)
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+    }
+
+    /// Counts by state in one statement: of every row, or (`sample`: a percentage of the
+    /// table's pages) of a sample, scaled to the table.
+    async fn counted(
+        &self,
+        t: &TableDescription,
+        now_ms: i64,
+        sample: Option<f64>,
+    ) -> Result<StatsCounts> {
         let f = Frag::new(t);
         let (unf, due, held) = (f.unfinished(), f.due(), f.held());
         let due_ms = t
@@ -234,26 +320,47 @@ impl Admin<'_> {
         // row that moves there meanwhile is counted once.
         let dead = match (f.dead_column(), f.dead_table()) {
             (Some(c), _) => format!("count(*) FILTER (WHERE {c} IS NOT NULL)"),
+            // A sample reads the dead-letter table apart (see `stats`).
+            (None, Some(_)) if sample.is_some() => "NULL::int8".into(),
             (None, Some(d)) => format!("(SELECT count(*) FROM {d})"),
             (None, None) => "NULL::int8".into(),
+        };
+        let sampled = match sample {
+            Some(_) => " TABLESAMPLE SYSTEM ($2::float8)",
+            None => "",
         };
         let sql = format!(
             "{with}SELECT ({due_count})::int8, ({scheduled})::int8, ({in_work})::int8, \
              (count(*) FILTER (WHERE {unf} AND q.{a} > 1))::int8, ({finished})::int8, ({dead})::int8, \
              (min({due_ms}) FILTER (WHERE {unf} AND {due} AND NOT {held}))::int8 \
-             FROM {table} AS q",
+             FROM {table} AS q{sampled}",
             a = ident(t.attempt()),
             table = f.table,
             with = f.held_locks(),
         );
-        let row = self
-            .fetch_one(t, "stats", self.query(sql).bind(now_ms))
-            .await?;
+        let q = self.query(sql).bind(now_ms);
+        let q = match sample {
+            Some(percent) => q.bind(percent),
+            None => q,
+        };
+        let row = self.fetch_one(t, "stats", q).await?;
         let get = |i: usize| -> Result<Option<i64>> {
             row.try_get::<Option<i64>, _>(i)
                 .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
         };
-        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
+        let count = |v: Option<i64>| {
+            let n = u64::try_from(v.unwrap_or(0)).unwrap_or(0);
+            match sample {
+                // Rounded to whole rows; an estimate on a table of millions.
+                #[allow(
+                    clippy::cast_precision_loss,
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss
+                )]
+                Some(percent) => Count::estimate((n as f64 * 100.0 / percent).round() as u64),
+                None => Count::exact(n),
+            }
+        };
         Ok(StatsCounts {
             due: count(get(0)?),
             scheduled: count(get(1)?),

@@ -47,6 +47,7 @@ bounded!(
     a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level,
     claims_in_flight_stay_within_max_claims_in_flight,
     a_row_that_commits_behind_the_head_is_claimed_by_a_read_from_the_start,
+    stats_of_a_large_table_are_sampled_estimates_and_its_lag_is_exact,
 );
 
 mod case {
@@ -672,5 +673,38 @@ mod case {
             );
             fx.cleanup().await;
         }
+    }
+
+    /// Issue #29: past `EXACT_ROWS` rows `stats()` samples the table's pages instead of reading
+    /// every row: the counts are estimates (marked so) near the truth, and the oldest due row,
+    /// found through the claim index, is exact.
+    pub(super) async fn stats_of_a_large_table_are_sampled_estimates_and_its_lag_is_exact() {
+        let fx = fixture(ClaimMode::Lease).await;
+        let q = fx.queue().await;
+        let table = format!("\"{}\"", fx.table.name());
+        // 150,000 rows: the first 50,000 due in an hour, the rest due a minute ago, the oldest
+        // of those two minutes ago.
+        fx.broker
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {table} (payload, due_at) SELECT 'job-' || i, CASE \
+                 WHEN i <= 50000 THEN now() + INTERVAL '1 hour' \
+                 WHEN i = 50001 THEN TIMESTAMPTZ '2026-01-01 00:00:00+00' \
+                 ELSE now() - INTERVAL '1 minute' END FROM generate_series(1, 150000) AS s(i)"
+            )))
+            .await
+            .unwrap();
+        fx.broker
+            .pool()
+            .execute(sqlx::AssertSqlSafe(format!("ANALYZE {table}")))
+            .await
+            .unwrap();
+        let s = q.stats().await.unwrap();
+        assert!(!s.due.exact && !s.scheduled.exact, "{s:?}");
+        let near = |got: u64, want: u64| got.abs_diff(want) * 4 <= want;
+        assert!(near(s.due.rows, 100_000), "due {s:?}");
+        assert!(near(s.scheduled.rows, 50_000), "scheduled {s:?}");
+        assert_eq!(s.oldest_due_ms, Some(1_767_225_600_000), "{s:?}");
+        fx.cleanup().await;
     }
 }
