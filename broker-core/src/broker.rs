@@ -197,6 +197,20 @@ impl<B: Backend> Broker<B> {
     }
 }
 
+/// Reads a queue's depth and lag into gauges until dropped (see [`Queue::export_depth`]).
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+pub struct DepthExport {
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[cfg(feature = "metrics")]
+impl Drop for DepthExport {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// A prepared table: publish rows to it, claim them by hand, or subscribe a handler.
 ///
 /// `T` is what a handler reads of a row (`sqlx::FromRow`).
@@ -566,6 +580,35 @@ impl<B: Backend, T> Queue<B, T> {
         }
         self.inner.shared.broker.pause_changed(name);
         Ok(())
+    }
+
+    /// Exports the queue's depth (its unfinished rows: due, scheduled and in work) and lag as
+    /// the gauges `sqlx_broker_depth` and `sqlx_broker_lag_seconds` (label `table`), read with
+    /// [`stats`](Self::stats) every `every` in a task of its own, until the returned guard
+    /// drops. Off unless you start it: each reading is one statement on the table.
+    #[cfg(feature = "metrics")]
+    pub fn export_depth(&self, every: Duration) -> DepthExport
+    where
+        T: 'static,
+    {
+        let queue = self.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every.max(Duration::from_millis(100)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match queue.stats().await {
+                    Ok(s) => queue.inner.shared.metrics.sampled(
+                        s.due.rows + s.scheduled.rows + s.in_work.rows,
+                        s.lag().map(|d| d.as_secs_f64()),
+                    ),
+                    Err(e) => {
+                        tracing::warn!(table = queue.table().name(), error = %e, "reading the queue's depth failed");
+                    }
+                }
+            }
+        });
+        DepthExport { task }
     }
 
     /// Whether the queue is paused, since when and by whom.

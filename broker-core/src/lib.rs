@@ -79,6 +79,8 @@ mod subscription;
 mod table;
 
 pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
+#[cfg(feature = "metrics")]
+pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
 pub use claim_mode::ClaimMode;
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
@@ -102,6 +104,8 @@ pub use table::{
 /// (`pub use broker_core::api::*`), so an application depends on one backend crate alone.
 /// What backends implement lives in [`driver`] and is not part of it.
 pub mod api {
+    #[cfg(feature = "metrics")]
+    pub use crate::DepthExport;
     pub use crate::{
         BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
         DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,

@@ -9,6 +9,7 @@
 //! | `sqlx_broker_claim_seconds` | histogram | one claim's round trips, from its start to its rows |
 //! | `sqlx_broker_due_to_start_seconds` | histogram | from a row's due time to its handler's start (rows with a due time) |
 //! | `sqlx_broker_in_work` | gauge | deliveries whose handler runs now |
+//! | `sqlx_broker_depth`, `sqlx_broker_lag_seconds` | gauge | unfinished rows (due, scheduled, in work) and the queue's lag, while a sampler runs (`Queue::export_depth`) |
 //!
 //! Handles are made when a queue is prepared: install the recorder (the exporter) before
 //! preparing queues.
@@ -89,6 +90,8 @@ struct Export {
     claim: metrics::Histogram,
     due_to_start: metrics::Histogram,
     in_work: metrics::Gauge,
+    depth: metrics::Gauge,
+    lag: metrics::Gauge,
 }
 
 impl Metrics {
@@ -111,6 +114,8 @@ impl Metrics {
                     claim: metrics::histogram!("sqlx_broker_claim_seconds", &label()),
                     due_to_start: metrics::histogram!("sqlx_broker_due_to_start_seconds", &label()),
                     in_work: metrics::gauge!("sqlx_broker_in_work", &label()),
+                    depth: metrics::gauge!("sqlx_broker_depth", &label()),
+                    lag: metrics::gauge!("sqlx_broker_lag_seconds", &label()),
                 }
             },
         }
@@ -149,6 +154,17 @@ impl Metrics {
         self.export.due_to_start.record(seconds.max(0.0));
         #[cfg(not(feature = "metrics"))]
         let _ = seconds;
+    }
+
+    /// A sampler read the queue: its unfinished rows and its lag.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn sampled(&self, depth: u64, lag_seconds: Option<f64>) {
+        // Exact up to 2^53 rows.
+        #[allow(clippy::cast_precision_loss)]
+        self.export.depth.set(depth as f64);
+        if let Some(lag) = lag_seconds {
+            self.export.lag.set(lag);
+        }
     }
 
     pub(crate) fn snapshot(&self) -> MetricsSnapshot {

@@ -37,6 +37,21 @@ async fn every_counter_histogram_and_gauge_is_exported_by_table() {
     let queue = broker.queue::<Payload<String>>(table).await.unwrap();
     let jobs: Vec<_> = (0..20).map(|i| NewJob::new(format!("{i}"))).collect();
     queue.publish_batch(&jobs).await.unwrap();
+    // The depth sampler reads the 20 unfinished rows into its gauge.
+    let export = queue.export_depth(Duration::from_millis(100));
+    broker_testkit::wait_until("the depth gauge", Duration::from_secs(10), || {
+        let snapshotter = &snapshotter;
+        let depth = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find_map(|(key, _, _, value)| {
+                (key.key().name() == "sqlx_broker_depth").then_some(value)
+            });
+        async move { matches!(depth, Some(DebugValue::Gauge(v)) if v.into_inner() == 20.0) }
+    })
+    .await;
+    drop(export);
     let sub = queue
         .subscribe(SubscribeOptions::new().concurrency(2), |job| async move {
             match job.payload().0.as_str() {
