@@ -27,6 +27,7 @@ pub(crate) enum Counter {
     HandlerErrors,
     Panics,
     ClaimErrors,
+    ClaimConflicts,
     DecodeErrors,
     SettleFailed,
     Gone,
@@ -35,7 +36,7 @@ pub(crate) enum Counter {
 }
 
 impl Counter {
-    const ALL: [Counter; 13] = [
+    const ALL: [Counter; 14] = [
         Counter::Claimed,
         Counter::Acked,
         Counter::Retried,
@@ -44,6 +45,7 @@ impl Counter {
         Counter::HandlerErrors,
         Counter::Panics,
         Counter::ClaimErrors,
+        Counter::ClaimConflicts,
         Counter::DecodeErrors,
         Counter::SettleFailed,
         Counter::Gone,
@@ -63,6 +65,7 @@ impl Counter {
             Self::HandlerErrors => "sqlx_broker_handler_errors_total",
             Self::Panics => "sqlx_broker_panics_total",
             Self::ClaimErrors => "sqlx_broker_claim_errors_total",
+            Self::ClaimConflicts => "sqlx_broker_claim_conflicts_total",
             Self::DecodeErrors => "sqlx_broker_decode_errors_total",
             Self::SettleFailed => "sqlx_broker_settle_failed_total",
             Self::Gone => "sqlx_broker_gone_total",
@@ -178,6 +181,7 @@ impl Metrics {
             handler_errors: self.get(Counter::HandlerErrors),
             panics: self.get(Counter::Panics),
             claim_errors: self.get(Counter::ClaimErrors),
+            claim_conflicts: self.get(Counter::ClaimConflicts),
             decode_errors: self.get(Counter::DecodeErrors),
             settle_failed: self.get(Counter::SettleFailed),
             gone: self.get(Counter::Gone),
@@ -216,8 +220,14 @@ pub struct MetricsSnapshot {
     pub handler_errors: u64,
     /// Handlers that panicked.
     pub panics: u64,
-    /// Claims that failed (the engine retries them).
+    /// Claims that failed (the engine retries them after a backoff).
     pub claim_errors: u64,
+    /// Claims the server undid after the backend's own quick retries because another claim
+    /// took the same rows at the same time (a deadlock; on a Galera cluster, a claim on another
+    /// node that won certification). The subscription claims again at once: a conflict means
+    /// rows are there, so it is neither a claim error nor a reason to back off. Not one of the
+    /// seven counters below: a conflict hands out no row.
+    pub claim_conflicts: u64,
     /// Rows whose columns did not decode into the handler's type.
     pub decode_errors: u64,
     /// Settlements that failed for any other reason, e.g. their statement failed (the row was

@@ -1068,6 +1068,14 @@ where
                 };
                 (next, rows)
             }
+            Err(e) if self.is_conflict(&e) => {
+                // Another claim took the same rows at the same time (on a Galera cluster, a
+                // claim on another node won certification) and the backend's quick retries met
+                // it again: rows are there, so claim again at once rather than back off.
+                self.queue.shared.metrics.add(Counter::ClaimConflicts, 1);
+                tracing::debug!(parent: &self.span, error = %e, "claim conflict; claiming again");
+                (Next::More, Vec::new())
+            }
             Err(e) => {
                 self.queue.shared.metrics.add(Counter::ClaimErrors, 1);
                 let failing = self.set_health(Some(e.to_string()));
@@ -1076,6 +1084,14 @@ where
                 (Next::Drained, Vec::new())
             }
         }
+    }
+
+    /// Whether a failed claim lost a race with another claim (the server undid it: a deadlock or
+    /// a certification conflict), rather than failing.
+    fn is_conflict(&self, e: &SqlxBrokerError) -> bool {
+        e.sqlx_source().is_some_and(|s| {
+            self.queue.shared.broker.backend.classify(s) == crate::driver::ErrorClass::Transient
+        })
     }
 
     /// Records a claim's result in the health state; returns the claims failed in a row.

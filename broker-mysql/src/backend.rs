@@ -18,6 +18,7 @@ use sqlx::{Executor, MySql, MySqlConnection, MySqlPool, Row};
 use tokio::sync::OnceCell;
 
 use crate::advisory::MySqlAdvisory;
+use crate::galera;
 use crate::lease::MySqlLease;
 use crate::row_lock::MySqlRowLock;
 use crate::sql::{ident, micros, read_ms};
@@ -614,6 +615,12 @@ impl MySqlBackend {
                         .into(),
             });
         };
+        if let Some(node) = galera::node(conn)
+            .await
+            .map_err(|e| SqlxBrokerError::statement(name, "galera", e))?
+        {
+            galera::check_mode(table, &node)?;
+        }
         schema::check_table(conn, table, utc != 0).await?;
         let group_index = schema::group_index(conn, table).await?;
         broker_core::driver::indexes::warn(table.name(), schema::index_advice(conn, table).await);

@@ -8,7 +8,7 @@ use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, Connection, MySqlConnection, MySqlPool, Row};
 
-use crate::version;
+use crate::{galera, version};
 
 async fn own_connection(pool: &MySqlPool) -> Result<MySqlConnection, sqlx::Error> {
     MySqlConnection::connect_with(&pool.connect_options()).await
@@ -39,6 +39,7 @@ pub(crate) async fn checks(
         }
     };
     out.push(server_version(&mut a).await);
+    out.push(cluster(&mut a, table).await);
     out.push(sessions(&mut a, &mut b, table).await);
     out.push(isolation(&mut a).await);
     if matches!(table.mode(), ClaimMode::RowLock | ClaimMode::Advisory) {
@@ -71,6 +72,33 @@ async fn server_version(conn: &mut MySqlConnection) -> Check {
         Err(e) => Check::fail(
             name,
             format!("cannot read it: {e}"),
+            "check the user's rights",
+        ),
+    }
+}
+
+/// Whether the server is a Galera node, and whether the table's claim mode holds there (see
+/// [`crate::galera`]).
+async fn cluster(conn: &mut MySqlConnection, table: &TableDescription) -> Check {
+    let name = "cluster";
+    match galera::node(conn).await {
+        Ok(None) => Check::pass(name, "a single server (not a Galera node)"),
+        Ok(Some(node)) => match galera::unsafe_mode(table.mode()) {
+            None => Check::pass(
+                name,
+                format!(
+                    "{node}: lease mode holds (claims on two nodes that take one row conflict at certification, one claims again); row lock and advisory mode do not"
+                ),
+            ),
+            Some(why) => Check::fail(
+                name,
+                format!("{node}: {why}"),
+                "describe the table for lease mode",
+            ),
+        },
+        Err(e) => Check::fail(
+            name,
+            format!("cannot read the wsrep settings: {e}"),
             "check the user's rights",
         ),
     }

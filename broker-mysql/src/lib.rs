@@ -91,11 +91,15 @@
 //!   compares is equal to the one in the row. Due times keep milliseconds where the column does.
 //! - **Transient errors.** Deadlocks (1213), lock wait timeouts (1205) and `NOWAIT` conflicts are
 //!   told apart in one place; claims, renewals and lease settlements that meet one run again at
-//!   once (a few times), and a claim that still fails is retried by the subscription after its
-//!   poll interval. The server undid the work, so nothing is lost or counted twice. See
+//!   once (a few times), and a claim that still meets one is claimed again by the subscription
+//!   at once, counted in `claim_conflicts` (another claim took the rows: they are there, so it is
+//!   no reason to back off). The server undid the work, so nothing is lost or counted twice. See
 //!   [`classify`] and [`is_transient`]. A connection lost while a lease claim commits (or an
 //!   advisory take counts) may leave the attempt counted with no delivery, as a crash does; the
 //!   row comes back when its lease runs out (lease) or at once (advisory).
+//! - **Galera.** On a MariaDB Galera Cluster node only lease mode holds: row lock and advisory
+//!   mode are refused at prepare, naming the node (their locks live on one node), and the doctor
+//!   says the same. See docs/deploying.md, "MariaDB Galera Cluster".
 //! - **Cancellation.** sqlx-mysql can leave a reply on the wire when a statement's future is
 //!   dropped, which the connection's next statement would read. The engine never cancels a
 //!   claim, renewal or settlement; and every connection this crate runs statements on outside a
@@ -157,6 +161,7 @@ mod advisory;
 mod backend;
 mod doctor;
 mod fifo;
+mod galera;
 mod lease;
 mod row_lock;
 mod schema;

@@ -26,6 +26,7 @@ async fn a_healthy_deployment_passes_every_check_in_every_mode() {
         assert_eq!(report.worst(), Status::Pass, "{mode}:\n{report}");
         for check in [
             "server version",
+            "cluster",
             "session",
             "isolation level",
             "clock",

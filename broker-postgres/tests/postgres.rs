@@ -47,6 +47,7 @@ bounded!(
     a_claim_on_a_chained_transaction_keeps_the_tables_isolation_level,
     claims_in_flight_stay_within_max_claims_in_flight,
     a_row_that_commits_behind_the_head_is_claimed_by_a_read_from_the_start,
+    a_claim_that_comes_back_after_half_its_lease_starts_no_handler,
     stats_of_a_large_table_are_sampled_estimates_and_its_lag_is_exact,
 );
 
@@ -673,6 +674,56 @@ mod case {
             );
             fx.cleanup().await;
         }
+    }
+
+    /// Issue #34: a lease claim whose reply comes back after half its lease had gone by (a
+    /// server or network stall: a Galera cluster changing members, a failover) hands out no
+    /// row, since another claim may take it before a handler could settle: the rows count as
+    /// claimed and lost, go back, and run on a later claim at the next attempt.
+    pub(super) async fn a_claim_that_comes_back_after_half_its_lease_starts_no_handler() {
+        let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await;
+        let q = fx.queue().await;
+        let id = q.publish(fx.job(1)).await.unwrap();
+        let table = format!("\"{}\"", fx.table.name());
+        let function = format!("\"{}_stall\"", fx.table.name());
+        let exec = |sql: String| {
+            let pool = fx.broker.pool().clone();
+            async move { pool.execute(sqlx::AssertSqlSafe(sql)).await.unwrap() }
+        };
+        // A claim writes the lease's expiry: that update sleeps 1.6 s, past half of a lease
+        // that ends 1-2 s after the claim began.
+        exec(format!(
+            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF NEW.locked_until IS NOT NULL THEN PERFORM pg_sleep(1.6); END IF; \
+             RETURN NEW; END $$"
+        ))
+        .await;
+        exec(format!(
+            "CREATE TRIGGER stall BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {function}()"
+        ))
+        .await;
+        let late = q.claim(1).await.expect("claim");
+        assert!(
+            late.is_empty(),
+            "a claim that came back after its lease ran out handed out {:?}",
+            late.iter().map(|d| d.id()).collect::<Vec<_>>()
+        );
+        let m = q.metrics();
+        assert_eq!((m.claimed, m.lease_lost), (1, 1), "{m:?}");
+        exec(format!("DROP TRIGGER stall ON {table}")).await;
+        let mut next = None;
+        for _ in 0..300 {
+            if let Some(d) = q.claim(1).await.expect("claim").pop() {
+                next = Some(d);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let d = next.expect("the row runs on a later claim");
+        assert_eq!((d.id(), d.attempt()), (id, 2));
+        d.ack().await.expect("ack");
+        exec(format!("DROP FUNCTION {function}()")).await;
+        fx.cleanup().await;
     }
 
     /// Issue #29: past `EXACT_ROWS` rows `stats()` samples the table's pages instead of reading

@@ -305,6 +305,35 @@ pub(crate) async fn claim<B: Backend>(
 ) -> Result<Vec<(ClaimedRow<B::Db>, LeaseHold<B>)>> {
     let expires_ms = clock::lease_expiry_ms(now_ms, shared.table.lease_seconds());
     let rows = mode.strategy.claim(limit, now_ms, expires_ms, from).await?;
+    if !rows.is_empty() && clock::now_ms() - now_ms > (expires_ms - now_ms) / 2 {
+        // The claim's reply came back after half its leases had gone by: the server or the
+        // network stalled it (a Galera cluster changing members, a failover), and the rows may
+        // be another claim's before a handler could settle them (or already are). No handler
+        // starts on them: they count as claimed and lost, and go back fenced on their tokens
+        // (a release that changes nothing where another claim has them).
+        let n = rows.len() as u64;
+        tracing::warn!(
+            table = shared.name(),
+            rows = n,
+            "a claim came back after its leases ran out; its rows run on a later claim"
+        );
+        shared.metrics.add(Counter::Claimed, n);
+        shared.metrics.add(Counter::LeaseLost, n);
+        for row in rows {
+            drop(LeaseHold {
+                strategy: mode.strategy.clone(),
+                acks: mode.acks.clone(),
+                shared: shared.clone(),
+                id: row.id,
+                cell: Arc::new(LeaseCell::new(LeaseToken {
+                    expires_ms,
+                    attempt: row.attempt + 1,
+                })),
+                armed: true,
+            });
+        }
+        return Ok(Vec::new());
+    }
     Ok(rows
         .into_iter()
         .map(|row| {
