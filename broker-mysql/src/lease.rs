@@ -39,8 +39,8 @@ pub struct MySqlLease {
     /// The claim: a window of ids read without locks, rows among them locked through the
     /// primary key (see [`crate::window`]).
     window: Window,
-    /// The claim's update up to `IN (`; the ids' placeholders follow.
-    update_head: String,
+    /// The claim's update up to `IN (`; the ids' placeholders follow (see [`Self::update`]).
+    update_head: Sql,
     /// The update with one id, for the startup check.
     update_one: Stmt,
     guard: Option<Stmt>,
@@ -126,15 +126,22 @@ impl MySqlLease {
             s.table,
             ident(table.locked_until().expect("lease mode has locked_until"))
         );
+        // The update re-checks that each row is still claimable, on the row as it is now: the
+        // locking read took it from what this node had applied, and on a Galera cluster a claim
+        // on another node may have leased the row since (its write reaches this node after the
+        // read, and the read's lock does not stop it). A row that fails the check is another
+        // claim's; the claim then takes nothing and reads again.
         let update = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
             .time_s(P::Expires)
-            .push(&format!(
-                ", {a} = {a} + 1 WHERE {id} IN (",
-                a = s.attempt,
-                id = s.id
-            ));
-        let update_head = update.clone().stmt("claim update").sql().to_owned();
-        let update_one = update.param(P::Id).push(")").stmt("claim update");
+            .push(&format!(", {a} = {a} + 1 WHERE ", a = s.attempt))
+            .append(&s.claimable_row)
+            .push(&format!(" AND {} IN (", s.id));
+        let update_one = update
+            .clone()
+            .param(P::Candidate(0))
+            .push(")")
+            .stmt("claim update");
+        let update_head = update;
         let fence = Sql::new(format!(" AND {lu} = "))
             .time_s(P::TokenExpires)
             .push(&format!(" AND {} = ", s.attempt))
@@ -238,13 +245,19 @@ impl MySqlLease {
                     begin.is_some(),
                 )
                 .await;
-            if out.is_err() {
-                // The transaction may be open: dropping the armed guard closes the connection,
-                // which rolls it back.
-                drop(conn);
-                self.warm.release();
-                return out;
-            }
+            let out = match out {
+                Err(e) => {
+                    // The transaction may be open: dropping the armed guard closes the
+                    // connection, which rolls it back.
+                    drop(conn);
+                    self.warm.release();
+                    return Err(e);
+                }
+                // Another claim leased a row since the read (rolled back): read the page again,
+                // which now sees that row leased.
+                Ok(None) => continue,
+                Ok(Some(rows)) => Ok(rows),
+            };
             if let Ok(rows) = &out {
                 self.window.claimed(&window, rows.iter().map(|r| &r.row));
             }
@@ -272,7 +285,7 @@ impl MySqlLease {
         now_ms: i64,
         expires_ms: i64,
         begun: bool,
-    ) -> Result<Vec<ClaimedRow<MySql>>> {
+    ) -> Result<Option<Vec<ClaimedRow<MySql>>>> {
         let name = self.table.name();
         // The transaction runs outside sqlx's bookkeeping (the window read may have begun it):
         // on an error the caller closes the connection, which rolls it back.
@@ -303,42 +316,58 @@ impl MySqlLease {
                     "fifo guard: not the group's head now"
                 );
                 rollback(tx).await.map_err(self.err("rollback"))?;
-                return Ok(Vec::new());
+                return Ok(Some(Vec::new()));
             }
             out.push(row);
         }
         if out.is_empty() {
             rollback(tx).await.map_err(self.err("rollback"))?;
-            return Ok(out);
+            return Ok(Some(out));
         }
-        let sql = format!("{}{})", self.update_head, vec!["?"; out.len()].join(", "));
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(whole_seconds(expires_ms));
-        for row in &out {
-            q = q.bind(row.id);
-        }
-        let done = q
+        let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+        let update = self.update(ids.len());
+        let args = Args {
+            now_ms,
+            expires_ms,
+            candidates: &ids,
+            ..Args::default()
+        };
+        let done = update
+            .bind(&args)
             .execute(&mut *tx)
             .await
             .map_err(self.err("claim update"))?;
         if done.rows_affected() != out.len() as u64 {
-            // The rows are locked by this transaction, so this cannot happen; if it does, claim
-            // nothing rather than hand out a row without its lease.
+            // A row the locking read took is no longer claimable as it is now: another claim
+            // leased it (on a Galera cluster, a claim on another node whose write arrived after
+            // the read). Claim nothing rather than hand out a row another delivery holds.
+            tracing::debug!(
+                table = name,
+                locked = out.len(),
+                updated = done.rows_affected(),
+                "claim update: a row was claimed elsewhere since the read; claiming again"
+            );
             rollback(tx).await.map_err(self.err("rollback"))?;
-            return Err(SqlxBrokerError::Invariant {
-                table: name.to_owned(),
-                statement: "claim update",
-                what: format!(
-                    "the claim locked {} rows but updated {}",
-                    out.len(),
-                    done.rows_affected()
-                ),
-            });
+            return Ok(None);
         }
         sqlx::raw_sql("COMMIT")
             .execute(&mut *tx)
             .await
             .map_err(self.err("commit"))?;
-        Ok(out)
+        Ok(Some(out))
+    }
+
+    /// The claim's update for `n` ids: the expiry, the claimable check's times, then the ids
+    /// (bound from [`Args::candidates`]).
+    fn update(&self, n: usize) -> Stmt {
+        let mut sql = self.update_head.clone();
+        for i in 0..n {
+            if i > 0 {
+                sql = sql.push(", ");
+            }
+            sql = sql.param(P::Candidate(i));
+        }
+        sql.push(")").stmt("claim update")
     }
 
     async fn renew_once(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {

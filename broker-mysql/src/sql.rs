@@ -208,6 +208,7 @@ pub(crate) struct Stmt {
 }
 
 impl Stmt {
+    #[cfg(test)]
     pub(crate) fn sql(&self) -> &str {
         &self.sql
     }

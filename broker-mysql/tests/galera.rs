@@ -163,6 +163,83 @@ async fn row_lock_and_advisory_are_refused_with_what_to_use_and_lease_is_prepare
     broker.close().await;
 }
 
+/// Brokers on all three nodes claim the heads of one FIFO table at the same time, again and
+/// again, and ack what they get: a row is handed to one claim per attempt. Each node's locking
+/// read sees what that node has applied, so two nodes can both read a row as free; the claim's
+/// update re-checks the row as it is, and the cluster's certification refuses the later of two
+/// writes to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_on_three_nodes_never_hand_out_one_row_twice() {
+    const ROWS: usize = 6_000;
+    let urls = nodes().await;
+    let name = unique_name("galera_race");
+    let dead = format!("{name}_dead");
+    let table = lease_table(&name, &dead);
+    let first = connect(&urls[0]).await;
+    first.create_tables(&table).await.unwrap();
+    let queue = first.queue::<Job>(table.clone()).await.unwrap();
+    for chunk in (0..ROWS).collect::<Vec<_>>().chunks(500) {
+        let jobs: Vec<_> = chunk
+            .iter()
+            .map(|i| NewJob::new(format!("job-{i}")).group(format!("g{}", i % 61)))
+            .collect();
+        queue.publish_batch(&jobs).await.unwrap();
+    }
+    let mut tasks = Vec::new();
+    // Two claimers per node.
+    for url in urls.iter().take(3).chain(urls.iter().take(3)) {
+        let broker = connect(url).await;
+        let q = broker.queue::<Job>(table.clone()).await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            let (mut empty, mut lost) = (0, 0);
+            while empty < 50 {
+                match q.claim(4).await {
+                    Ok(ds) if ds.is_empty() => {
+                        empty += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    Ok(ds) => {
+                        empty = 0;
+                        for d in ds {
+                            got.push((d.id(), d.attempt()));
+                            // A refused ack (the row was another claim's) leaves it to run out.
+                            let _ = d.ack().await;
+                        }
+                    }
+                    // A claim that lost certification three times in a row: the rows are
+                    // there, claim again (as a subscription does).
+                    Err(e) if broker_mysql::is_transient(&e) => lost += 1,
+                    Err(e) => panic!("claim: {e}"),
+                }
+            }
+            broker.close().await;
+            (got, lost)
+        }));
+    }
+    let mut seen = std::collections::HashMap::new();
+    let mut per_node = Vec::new();
+    for t in tasks {
+        let (got, lost) = t.await.unwrap();
+        per_node.push((got.len(), lost));
+        for d in got {
+            *seen.entry(d).or_insert(0) += 1;
+        }
+    }
+    let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "(row, attempt) handed to two claims: {:?} (deliveries, conflicts per claimer: {per_node:?})",
+        twice.iter().take(10).collect::<Vec<_>>()
+    );
+    broker_testkit::report(&format!(
+        "galera claim race: {} deliveries of {ROWS} FIFO rows across three nodes, none twice; deliveries and claim conflicts per claimer {per_node:?}",
+        seen.len()
+    ));
+    first.drop_tables(&table).await.unwrap();
+    first.close().await;
+}
+
 /// The pid of a node's `mariadbd`, from the pid file `.ci/galera.sh` has it write.
 fn node_pid(node: usize) -> i32 {
     let dir = std::env::var("SQLX_BROKER_GALERA_DIR")
@@ -193,6 +270,34 @@ async fn lease_brokers_on_every_node_run_each_row_once_through_a_node_kill() {
     let table = lease_table(&name, &dead);
     let first = connect(&urls[0]).await;
     first.create_tables(&table).await.unwrap();
+    let audit = std::env::var("SQLX_BROKER_GALERA_AUDIT").is_ok();
+    if audit {
+        // Every change of a row's attempt or lease, with the node and session that made it.
+        use sqlx::Executor;
+        let pool = first.pool();
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE `{name}_audit` (n BIGINT AUTO_INCREMENT PRIMARY KEY, id BIGINT, \
+             old_attempt INT, new_attempt INT, old_lu DATETIME(6), new_lu DATETIME(6), \
+             node VARCHAR(20), conn BIGINT, at DATETIME(6), what VARCHAR(10))"
+        )))
+        .await
+        .unwrap();
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE TRIGGER `{name}_au` AFTER UPDATE ON `{name}` FOR EACH ROW \
+             INSERT INTO `{name}_audit` (id, old_attempt, new_attempt, old_lu, new_lu, node, conn, at, what) \
+             VALUES (NEW.id, OLD.attempt, NEW.attempt, OLD.locked_until, NEW.locked_until, \
+             @@wsrep_node_name, CONNECTION_ID(), NOW(6), 'update')"
+        )))
+        .await
+        .unwrap();
+        pool.execute(sqlx::AssertSqlSafe(format!(
+            "CREATE TRIGGER `{name}_ad` AFTER DELETE ON `{name}` FOR EACH ROW \
+             INSERT INTO `{name}_audit` (id, old_attempt, old_lu, node, conn, at, what) \
+             VALUES (OLD.id, OLD.attempt, OLD.locked_until, @@wsrep_node_name, CONNECTION_ID(), NOW(6), 'delete')"
+        )))
+        .await
+        .unwrap();
+    }
     let queue = first.queue::<Job>(table.clone()).await.unwrap();
     let mut ids = Vec::with_capacity(ROWS);
     for chunk in (0..ROWS).collect::<Vec<_>>().chunks(500) {
@@ -331,6 +436,16 @@ async fn lease_brokers_on_every_node_run_each_row_once_through_a_node_kill() {
         finals,
     };
     let figures = history.check(&expect).unwrap_or_else(|problems| {
+        if audit {
+            let ids: Vec<String> = problems
+                .lines()
+                .filter_map(|l| l.strip_prefix("row "))
+                .filter_map(|l| l.split([':', ' ']).next())
+                .take(4)
+                .map(str::to_owned)
+                .collect();
+            eprintln!("audit of rows {ids:?} in `{name}_audit` (kept)");
+        }
         panic!(
             "the history check failed:\n{problems}\nper broker (nodes 1, 2, 3, 1): {per_broker:?}"
         )
