@@ -129,6 +129,7 @@ mod admin;
 mod advisory;
 mod backend;
 mod doctor;
+mod failover;
 mod fifo;
 mod lease;
 mod listener;

@@ -1,0 +1,224 @@
+//! A PostgreSQL primary with a synchronous standby (`.ci/pgfailover.sh`: ports 5440 and 5441,
+//! folders under `SQLX_BROKER_PGFAILOVER_DIR`, default `/tmp/sqlx-broker-pgfailover`): brokers
+//! given both hosts drain a lease table while the primary is killed (SIGKILL) and the standby
+//! promoted; the history checker judges the run. The test starts the pair afresh with the
+//! script (it promotes the standby, so every run needs a new pair) and fails if it cannot.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use broker_core::{
+    BoxError, ClaimMode, ColumnType, NewJob, Outcome, SubscribeOptions, TableDescription,
+};
+use broker_postgres::PgBackend;
+use broker_testkit::history::{Expect, Final, History, Recorded};
+use broker_testkit::{Job, JobText, unique_name};
+
+const PRIMARY: &str = "postgres://postgres@127.0.0.1:5440/test";
+const STANDBY: &str = "postgres://postgres@127.0.0.1:5441/test";
+
+fn dir() -> String {
+    std::env::var("SQLX_BROKER_PGFAILOVER_DIR")
+        .unwrap_or_else(|_| "/tmp/sqlx-broker-pgfailover".to_owned())
+}
+
+/// Runs `.ci/pgfailover.sh`: a fresh primary and synchronous standby.
+fn start_pair() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/pgfailover.sh");
+    let status = std::process::Command::new("bash")
+        .arg(script)
+        .status()
+        .expect("run .ci/pgfailover.sh");
+    assert!(
+        status.success(),
+        ".ci/pgfailover.sh could not start the pair"
+    );
+}
+
+fn postmaster_pid(node: &str) -> String {
+    let file = format!("{}/{node}/postmaster.pid", dir());
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("read {file}: {e}"))
+        .lines()
+        .next()
+        .expect("a pid")
+        .to_owned()
+}
+
+const ROWS: usize = 4_000;
+const BROKERS: usize = 2;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
+    tokio::task::spawn_blocking(start_pair).await.unwrap();
+    let urls = [PRIMARY, STANDBY];
+    let name = unique_name("failover");
+    let table = TableDescription::builder(&name)
+        .payload("payload", ColumnType::Text)
+        .due_at("due_at")
+        .locked_until("locked_until")
+        .lease_seconds(2)
+        .build()
+        .unwrap();
+    let first = PgBackend::connect_primary(&urls, 4).await.unwrap();
+    first.create_tables(&table).await.unwrap();
+    let queue = first.queue::<Job>(table.clone()).await.unwrap();
+    let mut ids = Vec::with_capacity(ROWS);
+    for chunk in (0..ROWS).collect::<Vec<_>>().chunks(500) {
+        let jobs: Vec<_> = chunk
+            .iter()
+            .map(|i| NewJob::new(format!("job-{i}")))
+            .collect();
+        ids.extend(queue.publish_batch(&jobs).await.unwrap());
+    }
+    let history = Arc::new(History::new(&name));
+    let mut brokers = Vec::new();
+    for index in 0..BROKERS {
+        let broker = PgBackend::connect_primary(&urls, 12).await.unwrap();
+        let q = broker.queue::<Job>(table.clone()).await.unwrap();
+        let h = history.clone();
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new()
+                    .name(History::subscription_name(index))
+                    .concurrency(8)
+                    .poll_interval(Duration::from_millis(200))
+                    .error_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+                move |job: broker_core::Job<Job>| {
+                    let h = h.clone();
+                    async move {
+                        let _ = job.payload().text();
+                        let at = h.start(
+                            index,
+                            job.id(),
+                            job.attempt(),
+                            None,
+                            None,
+                            job.lease_expires_ms(),
+                        );
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        h.finish(at, Recorded::Ack);
+                        Ok::<_, BoxError>(Outcome::Ack)
+                    }
+                },
+            )
+            .expect("subscribe");
+        brokers.push((broker, q, sub));
+    }
+    let started = Instant::now();
+    let limit = Duration::from_secs(240);
+    while history.finished_rows(None) < ROWS / 4 {
+        assert!(started.elapsed() < limit, "no progress before the failover");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The primary dies; the standby is promoted two seconds later.
+    let from = history.now();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &postmaster_pid("primary")])
+        .status()
+        .expect("kill the primary");
+    assert!(killed.success());
+    let down = Instant::now();
+    let before = history.records().len();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let unhealthy: Vec<bool> = brokers
+        .iter()
+        .map(|(_, _, s)| !s.health().is_healthy())
+        .collect();
+    let promoted = std::process::Command::new("runuser")
+        .args(["-u", "postgres", "--"])
+        .arg(format!(
+            "/usr/lib/postgresql/{}/bin/pg_ctl",
+            std::fs::read_dir("/etc/postgresql")
+                .unwrap()
+                .next()
+                .unwrap()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+        ))
+        .args(["-D", &format!("{}/standby", dir()), "-w", "promote"])
+        .status()
+        .expect("promote the standby");
+    assert!(promoted.success(), "promote the standby");
+    let promoted_at = history.now();
+    // Claims resume: a claim that returned after the promotion starts a handler (rows fetched
+    // ahead before the kill do not count).
+    let resumed = loop {
+        let records = history.records();
+        if records[before..]
+            .iter()
+            .any(|r| r.claim.is_some_and(|c| c.returned > promoted_at))
+        {
+            break down.elapsed();
+        }
+        assert!(
+            down.elapsed() < Duration::from_secs(60),
+            "no claim resumed within 60 s of the primary's death"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for b in 0..BROKERS {
+        history.connections_killed(b, from, history.now());
+    }
+    // Done when every row is gone.
+    let q2 = brokers[0].1.clone();
+    loop {
+        let left = q2
+            .stats()
+            .await
+            .map(|s| s.due.rows + s.in_work.rows + s.scheduled.rows);
+        if matches!(left, Ok(0)) {
+            break;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "gave up after {limit:?}: {} of {ROWS} rows finished ({left:?} left)",
+            history.finished_rows(None)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut per_broker = Vec::new();
+    for (broker, q, sub) in brokers {
+        let report = sub.shutdown().await;
+        let m = q.metrics();
+        per_broker.push(format!(
+            "claimed {}, acked {}, lease lost {}, settle failed {}, claim errors {}, gone {}; {report:?}",
+            m.claimed, m.acked, m.lease_lost, m.settle_failed, m.claim_errors, m.gone
+        ));
+        broker.close().await;
+    }
+    let mut finals = BTreeMap::new();
+    for id in &ids {
+        let state = queue.row_state(*id).await.unwrap();
+        finals.insert(
+            *id,
+            if state.is_none() {
+                Final::Gone
+            } else {
+                Final::Present
+            },
+        );
+    }
+    let expect = Expect {
+        mode: ClaimMode::Lease,
+        fifo: false,
+        max_attempts: table.max_attempts(),
+        finals,
+    };
+    let figures = history.check(&expect).unwrap_or_else(|problems| {
+        panic!("the history check failed:\n{problems}\nper broker: {per_broker:?}")
+    });
+    assert_eq!(figures.acked, ROWS, "every row acked once the run ends");
+    broker_testkit::report(&format!(
+        "postgres failover (lease): {} rows, {} deliveries; primary killed, standby promoted 2 s later; claims resumed {:.1}s after the kill; unhealthy at 2 s: {unhealthy:?}; per broker: {}",
+        figures.rows,
+        figures.deliveries,
+        resumed.as_secs_f64(),
+        per_broker.join(" | ")
+    ));
+    first.drop_tables(&table).await.unwrap();
+    first.close().await;
+}
