@@ -207,8 +207,9 @@ pub(crate) fn queues(ctx: &Ctx, refresh: Duration, window_min: u64, listed: &[Li
                     }
                 }
                 p.muted.small {
-                    "Throughput: rows acked or dead-lettered per minute over the last " (window_min)
-                    " minutes (* counted by this process only: the table keeps no finished rows)."
+                    "Throughput: rows acked or dead-lettered per minute over the last "
+                    @if window_min == 1 { "minute" } @else { (window_min) " minutes" }
+                    " (* counted by this process only: the table keeps no finished rows)."
                 }
             }
         },

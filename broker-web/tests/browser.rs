@@ -297,6 +297,7 @@ where
             busy_t.name()
         ))
         .await;
+    browser.client.set_window_size(1280, 460).await.unwrap();
     let shot = browser.client.screenshot().await.unwrap();
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
     std::fs::write(dir.join(format!("dashboard-{}.png", db.name)), &shot).unwrap();
