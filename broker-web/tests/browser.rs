@@ -85,8 +85,8 @@ impl Browser {
                 .await
             {
                 Ok(c) => break c,
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
+                // chromedriver is still starting.
+                Err(_) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 Err(e) => panic!("cannot open a Chromium session through {driver_path}: {e}"),
