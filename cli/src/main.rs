@@ -9,6 +9,7 @@
 //! sqlx-broker --config jobs.toml dead requeue --id 41 --id 42
 //! sqlx-broker --config jobs.toml pause --by "incident 1234"
 //! sqlx-broker --config jobs.toml --json stats
+//! SQLX_BROKER_WEB_TOKEN=s3cret sqlx-broker --config jobs.toml web --listen 0.0.0.0:8080
 //! sqlx-broker --url sqlite://jobs.db --table emails --advisory-lock 'acct-{account}' \
 //!     --column account:text doctor --concurrency 8
 //! ```
@@ -95,6 +96,24 @@ enum Command {
         /// How old: 30s, 15m, 12h, 7d.
         #[arg(long, value_parser = parse_duration)]
         older_than: Duration,
+    },
+    /// Serves the web dashboard for the table (see docs/dashboard.md) until Ctrl-C. Anyone
+    /// who reaches it can requeue, discard, cancel and pause: give it a token, or keep it on
+    /// a loopback address behind a proxy that authenticates.
+    Web {
+        /// The address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Require this bearer token (an `Authorization: Bearer` header, or the login page).
+        #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+        /// Show the queue and refuse every action.
+        #[arg(long)]
+        read_only: bool,
+        /// Listen on a non-loopback address without a token (only behind a proxy that
+        /// authenticates).
+        #[arg(long)]
+        insecure_no_auth: bool,
     },
     /// Checks the deployment for the table and says what to change.
     Doctor {
@@ -185,6 +204,17 @@ async fn run_on<B: Backend>(
         return Ok(Out::Doctor(report));
     }
     let queue: Queue<B, ()> = broker.queue(table).await.map_err(message)?;
+    if let Command::Web {
+        listen,
+        token,
+        read_only,
+        ..
+    } = command
+    {
+        let out = serve(queue, *listen, token.clone(), *read_only).await;
+        broker.close().await;
+        return out;
+    }
     let out = run_queue(&queue, command).await;
     broker.close().await;
     out.map_err(message)
@@ -232,7 +262,55 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             rows: q.purge_finished(*older_than).await?,
         },
         Command::Doctor { .. } => unreachable!("run before the queue is prepared"),
+        Command::Web { .. } => unreachable!("served by run_on"),
     })
+}
+
+/// Serves the dashboard of `queue` on `listen` until Ctrl-C.
+async fn serve<B: Backend>(
+    queue: Queue<B, ()>,
+    listen: std::net::SocketAddr,
+    token: Option<String>,
+    read_only: bool,
+) -> Result<Out, String> {
+    let name = queue.table().name().to_owned();
+    let mut dashboard = broker_web::Dashboard::new()
+        .queue(queue)
+        .read_only(read_only);
+    if let Some(t) = token {
+        dashboard = dashboard.bearer_token(t);
+    }
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    eprintln!("dashboard for table \"{name}\" on http://{addr}/ (Ctrl-C stops it)");
+    axum::serve(listener, dashboard.router::<()>())
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| format!("serving the dashboard on {addr}: {e}"))?;
+    Ok(Out::Done("dashboard stopped".to_owned()))
+}
+
+/// Refuses a dashboard that anyone on the network could use.
+fn check_web(command: &Command) -> Result<(), String> {
+    if let Command::Web {
+        listen,
+        token,
+        insecure_no_auth,
+        ..
+    } = command
+        && !listen.ip().is_loopback()
+        && token.is_none()
+        && !insecure_no_auth
+    {
+        return Err(format!(
+            "{listen} is reachable from other machines, and without a token anyone there could requeue, discard, cancel and pause: pass --token (or SQLX_BROKER_WEB_TOKEN), listen on 127.0.0.1 behind a proxy that authenticates, or pass --insecure-no-auth if such a proxy guards this address"
+        ));
+    }
+    Ok(())
 }
 
 fn page(after: Option<i64>, limit: usize) -> Page {
@@ -244,6 +322,7 @@ fn message(e: SqlxBrokerError) -> String {
 }
 
 async fn run(cli: Cli) -> Result<Out, String> {
+    check_web(&cli.command)?;
     let (file_url, file_table) = match &cli.config {
         Some(path) => {
             let config = table::read_config(path)?;

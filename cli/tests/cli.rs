@@ -176,3 +176,74 @@ async fn the_cli_operates_a_mariadb_queue() {
     broker.drop_tables(&t).await.unwrap();
     broker.close().await;
 }
+
+/// One HTTP/1.0 GET to the dashboard on `port`; the whole response as text.
+fn http_get(port: u16, path: &str, auth: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let auth = auth
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_serves_the_dashboard_behind_its_token() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-web"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = table("web_jobs");
+    prepare(&broker, &t).await;
+    broker.close().await;
+
+    let o = cli(&url, t.name(), &["web", "--listen", "0.0.0.0:0"]);
+    assert_eq!(o.status.code(), Some(1), "a dashboard open to the network");
+    assert!(stderr(&o).contains("--token"), "{}", stderr(&o));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args(["--url", &url, "--table", t.name(), "--payload", "payload"])
+        .args(["--locked-until", "locked_until", "--due-at", "due_at"])
+        .args(["--processed-at", "done_at", "--last-error", "last_error"])
+        .args(["--max-attempts", "1", "--dead-letter-column", "dead_at"])
+        .args([
+            "web",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--token",
+            "s3cret",
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dashboard never listened"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let anonymous = http_get(port, "/", None);
+    let wrong = http_get(port, "/", Some("guess"));
+    let page = http_get(port, "/", Some("s3cret"));
+    server.kill().unwrap();
+    server.wait().unwrap();
+    assert!(anonymous.starts_with("HTTP/1.0 303"), "{anonymous}");
+    assert!(anonymous.contains("location: /login"), "{anonymous}");
+    assert!(wrong.starts_with("HTTP/1.0 303"), "{wrong}");
+    assert!(page.starts_with("HTTP/1.0 200"), "{page}");
+    assert!(
+        page.contains(r#"data-state="due">3<"#) && page.contains(r#"data-state="dead">1<"#),
+        "{page}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

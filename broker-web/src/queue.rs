@@ -1,0 +1,107 @@
+//! The queues a dashboard shows, whatever their backend and row type: [`Queue`] behind a trait
+//! object, so one dashboard can hold queues of several databases.
+//!
+//! The trait returns boxed futures by hand: it must be used as `dyn`, which native async in
+//! traits does not allow, and this is the only place that needs it (no `async-trait` for one
+//! trait).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use broker_core::{
+    Backend, DeadLetters, JobInfo, JobState, MetricsSnapshot, Page, Queue, QueueStats, Result,
+    RowState, TableDescription,
+};
+
+/// A boxed future of a queue operation.
+pub(crate) type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+
+/// What the dashboard calls on a queue: the operations API of `broker_core::Queue`.
+pub(crate) trait AnyQueue: Send + Sync {
+    fn table(&self) -> &TableDescription;
+    fn metrics(&self) -> MetricsSnapshot;
+    fn stats(&self) -> Op<'_, QueueStats>;
+    fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>>;
+    fn row_state(&self, id: i64) -> Op<'_, Option<RowState>>;
+    fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64>;
+    fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64>;
+    fn cancel(&self, id: i64) -> Op<'_, ()>;
+    fn run_now(&self, id: i64) -> Op<'_, ()>;
+    fn pause(&self, by: String) -> Op<'_, ()>;
+    fn resume(&self) -> Op<'_, ()>;
+}
+
+impl<B: Backend, T: 'static> AnyQueue for Queue<B, T> {
+    fn table(&self) -> &TableDescription {
+        Queue::table(self)
+    }
+    fn metrics(&self) -> MetricsSnapshot {
+        Queue::metrics(self)
+    }
+    fn stats(&self) -> Op<'_, QueueStats> {
+        Box::pin(Queue::stats(self))
+    }
+    fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>> {
+        Box::pin(Queue::jobs(self, state, page))
+    }
+    fn row_state(&self, id: i64) -> Op<'_, Option<RowState>> {
+        Box::pin(Queue::row_state(self, id))
+    }
+    fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64> {
+        Box::pin(Queue::requeue_dead(self, which))
+    }
+    fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64> {
+        Box::pin(Queue::discard_dead(self, which))
+    }
+    fn cancel(&self, id: i64) -> Op<'_, ()> {
+        Box::pin(Queue::cancel(self, id))
+    }
+    fn run_now(&self, id: i64) -> Op<'_, ()> {
+        Box::pin(Queue::run_now(self, id))
+    }
+    fn pause(&self, by: String) -> Op<'_, ()> {
+        Box::pin(async move { Queue::pause(self, &by).await })
+    }
+    fn resume(&self) -> Op<'_, ()> {
+        Box::pin(Queue::resume(self))
+    }
+}
+
+/// Row `id` of `q` as a listing shows it, with its payload and last error, or `None` when there
+/// is no such row. The operations API lists rows by state a page at a time, so this reads the
+/// row's state first and then the one-row page that starts at `id` in that state.
+pub(crate) async fn find_job(q: &dyn AnyQueue, id: i64) -> Result<Option<JobInfo>> {
+    let Some(row) = q.row_state(id).await? else {
+        return Ok(None);
+    };
+    let states: &[JobState] = if row.dead {
+        &[JobState::Dead]
+    } else if row.processed {
+        &[JobState::Finished]
+    } else {
+        &[JobState::InWork, JobState::Due, JobState::Scheduled]
+    };
+    let page = Page {
+        after: id.checked_sub(1),
+        limit: 1,
+    };
+    for &state in states {
+        if let Some(job) = q.jobs(state, page).await?.into_iter().next()
+            && job.id == id
+        {
+            return Ok(Some(job));
+        }
+    }
+    // The row moved between the two reads (claimed, settled): show what the first read saw.
+    let state = if row.dead {
+        JobState::Dead
+    } else if row.processed {
+        JobState::Finished
+    } else {
+        JobState::InWork
+    };
+    let mut job = JobInfo::new(id, row.attempt, state);
+    job.due_ms = row.due_ms;
+    job.locked_until_ms = row.locked_until_ms;
+    Ok(Some(job))
+}

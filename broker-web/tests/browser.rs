@@ -1,0 +1,640 @@
+//! The dashboard in a real browser (Chromium through chromedriver, from the system packages),
+//! against real databases: the counts it shows are the database's, a pause clicked in it stops
+//! a subscription in another broker, a dead letter requeued in it runs again, markup in a
+//! payload or an error is shown as text, and a POST without its CSRF token changes nothing.
+//!
+//! Each test starts its own chromedriver on a free port and fails (it does not skip) when the
+//! driver or the browser is missing: run `.ci/chromium.sh` (or `apt-get install -y chromium
+//! chromium-driver`). `SQLX_BROKER_CHROMEDRIVER` and `SQLX_BROKER_CHROMIUM` override the paths.
+//! `SQLX_BROKER_SCREENSHOT=path` writes the PostgreSQL queues page's screenshot there (the one
+//! in docs/); every run writes them under the test's target directory.
+
+use std::collections::HashSet;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use broker_core::{
+    Backend, Broker, ColumnType, DeadLetter, NewJob, Outcome, Payload, Queue, SubscribeOptions,
+    TableDescription,
+};
+use broker_web::Dashboard;
+use fantoccini::{Client, ClientBuilder, Locator};
+
+/// Browsers at once in this binary (the machine is small and shared).
+static BROWSERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
+/// A chromedriver we started, and a session in a fresh profile.
+struct Browser {
+    client: Client,
+    driver: Child,
+    profile: std::path::PathBuf,
+    _permit: tokio::sync::SemaphorePermit<'static>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let permit = BROWSERS.acquire().await.expect("semaphore");
+        let driver_path = std::env::var("SQLX_BROKER_CHROMEDRIVER")
+            .unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
+        let chromium = std::env::var("SQLX_BROKER_CHROMIUM")
+            .unwrap_or_else(|_| "/usr/bin/chromium".to_owned());
+        for (what, path) in [("chromedriver", &driver_path), ("chromium", &chromium)] {
+            assert!(
+                std::path::Path::new(path).exists(),
+                "{what} is not at {path}: install it (`bash .ci/chromium.sh`, or apt-get install -y chromium chromium-driver); the browser tests do not skip"
+            );
+        }
+        let port = free_port();
+        let driver = Command::new(&driver_path)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {driver_path}: {e}"));
+        let profile = std::env::temp_dir().join(broker_testkit::unique_name("chromium-profile"));
+        std::fs::create_dir_all(&profile).unwrap();
+        let mut caps = serde_json::Map::new();
+        caps.insert(
+            "goog:chromeOptions".into(),
+            serde_json::json!({
+                "binary": chromium,
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                    "--no-first-run", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync",
+                    "--disable-dev-shm-usage", "--window-size=1280,800",
+                    format!("--user-data-dir={}", profile.display()),
+                ],
+            }),
+        );
+        let url = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let client = loop {
+            let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+            match ClientBuilder::new(connector)
+                .capabilities(caps.clone())
+                .connect(&url)
+                .await
+            {
+                Ok(c) => break c,
+                // chromedriver is still starting.
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("cannot open a Chromium session through {driver_path}: {e}"),
+            }
+        };
+        Browser {
+            client,
+            driver,
+            profile,
+            _permit: permit,
+        }
+    }
+
+    async fn close(mut self) {
+        let _ = self.client.clone().close().await;
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+        let _ = std::fs::remove_dir_all(&self.profile);
+    }
+
+    /// The text of the element at `css`, waiting for it.
+    async fn text(&self, css: &str) -> String {
+        self.wait(css).await.text().await.unwrap()
+    }
+
+    async fn wait(&self, css: &str) -> fantoccini::elements::Element {
+        self.client
+            .wait()
+            .at_most(Duration::from_secs(30))
+            .for_element(Locator::Css(css))
+            .await
+            .unwrap_or_else(|e| panic!("no element {css}: {e}"))
+    }
+
+    async fn click(&self, css: &str) {
+        self.wait(css).await.click().await.unwrap();
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        // A failed test still ends the driver it started (and Chromium with it).
+        let _ = self.driver.kill();
+    }
+}
+
+/// Serves `dashboard` nested under `/admin/queues`, as a service would; returns its URL.
+async fn serve(dashboard: Dashboard) -> String {
+    let app: axum::Router = axum::Router::new().nest("/admin/queues", dashboard.router());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/admin/queues")
+}
+
+fn table(name: &str, max_attempts: u32) -> TableDescription {
+    TableDescription::builder(name)
+        .payload("payload", ColumnType::Text)
+        .locked_until("locked_until")
+        .lease_seconds(30)
+        .due_at("due_at")
+        .processed_at("done_at")
+        .last_error("last_error")
+        .max_attempts(max_attempts)
+        .dead_letter(DeadLetter::Column("dead_at".into()))
+        .build()
+        .unwrap()
+}
+
+/// Waits until `check` holds, for at most `secs` seconds.
+async fn until<F: AsyncFnMut() -> bool>(secs: u64, what: &str, mut check: F) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !check().await {
+        assert!(Instant::now() < deadline, "not within {secs} s: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A database for one test: two brokers on it (a dashboard's and a worker's, as two processes
+/// would have), and its name for screenshots.
+struct Db<B: Backend> {
+    name: &'static str,
+    dashboard: Broker<B>,
+    worker: Broker<B>,
+}
+
+async fn prepare<B: Backend>(
+    db: &Db<B>,
+    t: &TableDescription,
+) -> (Queue<B, Payload<String>>, Queue<B, Payload<String>>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    db.dashboard.create_tables(t).await.unwrap();
+    let a = db
+        .dashboard
+        .queue::<Payload<String>>(t.clone())
+        .await
+        .unwrap();
+    let b = db.worker.queue::<Payload<String>>(t.clone()).await.unwrap();
+    (a, b)
+}
+
+async fn cell(browser: &Browser, queue: &str, state: &str) -> String {
+    browser
+        .text(&format!(
+            "tr[data-queue=\"{queue}\"] td[data-state=\"{state}\"]"
+        ))
+        .await
+}
+
+/// Rows in every state; the queues page shows the numbers `stats()` reads, and a second, busy
+/// queue draws its throughput.
+async fn the_queues_page_shows_the_counts_in_the_database<B: Backend>(db: Db<B>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    let t = table(&broker_testkit::unique_name("web_jobs"), 3);
+    let busy_t = table(&broker_testkit::unique_name("web_emails"), 3);
+    let (q, _) = prepare(&db, &t).await;
+    let (busy, busy_worker) = prepare(&db, &busy_t).await;
+
+    let jobs: Vec<_> = (0..6)
+        .map(|i| NewJob::new(format!("{{\"n\":{i}}}")))
+        .collect();
+    q.publish_batch(&jobs).await.unwrap();
+    for i in 0..2 {
+        q.publish(NewJob::new(format!("later-{i}")).run_after(Duration::from_secs(3600)))
+            .await
+            .unwrap();
+    }
+    let mut claimed = q.claim(4).await.unwrap();
+    assert_eq!(claimed.len(), 4);
+    let held = claimed.remove(0); // in work until the end
+    claimed.remove(0).dead_letter().await.unwrap();
+    claimed.remove(0).ack().await.unwrap();
+    claimed.remove(0).retry().await.unwrap();
+    let s = q.stats().await.unwrap();
+    let expect = [
+        ("due", 3, s.due.rows),
+        ("scheduled", 2, s.scheduled.rows),
+        ("in-work", 1, s.in_work.rows),
+        // Unfinished rows above attempt 1: the retried one, and the held one where a claim
+        // counts its attempt up front.
+        ("retrying", s.retrying.rows, s.retrying.rows),
+        ("dead", 1, s.dead.unwrap().rows),
+        ("finished", 1, s.finished.unwrap().rows),
+    ];
+    for (state, n, read) in expect {
+        assert_eq!(read, n, "{state}: stats() itself");
+    }
+    assert!(s.retrying.rows >= 1);
+
+    // A busy queue: a worker in the other broker acks what a producer trickles in.
+    let sub = busy_worker
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_millis(100)),
+            |_job| async { Outcome::Ack },
+        )
+        .unwrap();
+    let producer = {
+        let busy = busy.clone();
+        tokio::spawn(async move {
+            for i in 0..40u32 {
+                let n = 1 + (i % 7);
+                let jobs: Vec<_> = (0..n)
+                    .map(|j| NewJob::new(format!("mail-{i}-{j}")))
+                    .collect();
+                busy.publish_batch(&jobs).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    let dashboard = Dashboard::new()
+        .queue(q.clone())
+        .queue(busy.clone())
+        .sampling(Duration::from_millis(250), Duration::from_secs(60))
+        .refresh(Duration::from_secs(1));
+    let url = serve(dashboard).await;
+    let browser = Browser::start().await;
+    browser.client.goto(&url).await.unwrap();
+    for (state, n, _) in expect {
+        assert_eq!(
+            cell(&browser, t.name(), state).await,
+            n.to_string(),
+            "{state} on the page"
+        );
+    }
+    let mode = browser
+        .text(&format!("tr[data-queue=\"{}\"] td:nth-child(2)", t.name()))
+        .await;
+    assert_eq!(mode, "lease");
+    assert!(
+        browser
+            .text(&format!("tr[data-queue=\"{}\"] td.state", t.name()))
+            .await
+            .contains("running")
+    );
+
+    // The refresh script brings the chart in once the sampler has two readings.
+    producer.await.unwrap();
+    browser
+        .wait(&format!(
+            "tr[data-queue=\"{}\"] .chart svg polyline",
+            busy_t.name()
+        ))
+        .await;
+    browser.client.set_window_size(1280, 460).await.unwrap();
+    let shot = browser.client.screenshot().await.unwrap();
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::write(dir.join(format!("dashboard-{}.png", db.name)), &shot).unwrap();
+    if db.name == "postgres"
+        && let Ok(path) = std::env::var("SQLX_BROKER_SCREENSHOT")
+    {
+        std::fs::write(&path, &shot).unwrap();
+    }
+    browser.close().await;
+    sub.shutdown().await;
+    drop(held);
+    db.dashboard.drop_tables(&t).await.unwrap();
+    db.dashboard.drop_tables(&busy_t).await.unwrap();
+}
+
+/// A subscription in the other broker handles rows; Pause in the browser stops it (rows wait,
+/// due), Resume starts it again.
+async fn pausing_in_the_browser_stops_a_subscription_in_another_broker<B: Backend>(db: Db<B>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    let t = table(&broker_testkit::unique_name("web_pause"), 3);
+    let (q, worker_q) = prepare(&db, &t).await;
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let sub = {
+        let seen = seen.clone();
+        worker_q
+            .subscribe(
+                SubscribeOptions::new().poll_interval(Duration::from_millis(100)),
+                move |job| {
+                    let seen = seen.clone();
+                    async move {
+                        seen.lock().unwrap().insert(job.id());
+                        Outcome::Ack
+                    }
+                },
+            )
+            .unwrap()
+    };
+    let first = q.publish(NewJob::new("before".to_owned())).await.unwrap();
+    until(30, "the worker handles a row", async || {
+        seen.lock().unwrap().contains(&first)
+    })
+    .await;
+
+    let url = serve(Dashboard::new().queue(q.clone())).await;
+    let browser = Browser::start().await;
+    browser.client.goto(&url).await.unwrap();
+    browser
+        .click(&format!("tr[data-queue=\"{}\"] button.pause", t.name()))
+        .await;
+    browser
+        .wait(&format!("tr[data-queue=\"{}\"] td.state .paused", t.name()))
+        .await;
+    let pause = q
+        .paused()
+        .await
+        .unwrap()
+        .expect("the click paused the queue");
+    assert_eq!(pause.by, "dashboard");
+
+    // The worker sees the pause within its poll interval; give it ten, then publish.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ids = q
+        .publish_batch(&[NewJob::new("a".to_owned()), NewJob::new("b".to_owned())])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        ids.iter().all(|id| !seen.lock().unwrap().contains(id)),
+        "a paused queue's subscription in another broker claimed a row"
+    );
+    assert_eq!(q.stats().await.unwrap().due.rows, 2);
+
+    browser
+        .click(&format!("tr[data-queue=\"{}\"] button.resume", t.name()))
+        .await;
+    until(30, "the worker handles the rows after resume", async || {
+        let seen = seen.lock().unwrap();
+        ids.iter().all(|id| seen.contains(id))
+    })
+    .await;
+    assert!(q.paused().await.unwrap().is_none());
+    browser.close().await;
+    sub.shutdown().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+}
+
+/// A handler fails once (an error with markup in it): the row is dead-lettered; the dead
+/// letters show the error as text; Requeue selected puts it back and the worker runs it at
+/// attempt 1.
+async fn a_dead_letter_requeued_in_the_browser_runs_again<B: Backend>(db: Db<B>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    let t = table(&broker_testkit::unique_name("web_dead"), 1);
+    let (q, worker_q) = prepare(&db, &t).await;
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let sub = {
+        let runs = runs.clone();
+        worker_q
+            .subscribe(
+                SubscribeOptions::new().poll_interval(Duration::from_millis(100)),
+                move |job| {
+                    let runs = runs.clone();
+                    async move {
+                        let first = {
+                            let mut runs = runs.lock().unwrap();
+                            runs.push((job.id(), job.attempt()));
+                            runs.len() == 1
+                        };
+                        if first {
+                            Err("boom: <b>not bold</b>".to_owned())
+                        } else {
+                            Ok(Outcome::Ack)
+                        }
+                    }
+                },
+            )
+            .unwrap()
+    };
+    let id = q.publish(NewJob::new("once".to_owned())).await.unwrap();
+    until(30, "the row is dead-lettered", async || {
+        q.stats().await.unwrap().dead.unwrap().rows == 1
+    })
+    .await;
+
+    let url = serve(Dashboard::new().queue(q.clone())).await;
+    let browser = Browser::start().await;
+    browser
+        .client
+        .goto(&format!("{url}/queues/{}?state=dead", t.name()))
+        .await
+        .unwrap();
+    let row = format!("tr[data-id=\"{id}\"]");
+    assert_eq!(
+        browser.text(&format!("{row} td.error-text")).await,
+        "boom: <b>not bold</b>",
+        "the last error, as text"
+    );
+    browser.click(&format!("{row} input[type=checkbox]")).await;
+    browser.click("button[name=selected]").await;
+    assert_eq!(browser.text("p.notice").await, "1 row requeued.");
+    until(30, "the requeued row runs again", async || {
+        runs.lock().unwrap().len() == 2
+    })
+    .await;
+    assert_eq!(runs.lock().unwrap()[1], (id, 1), "again, at attempt 1");
+    until(30, "the row is acked", async || {
+        q.stats().await.unwrap().finished.unwrap().rows == 1
+    })
+    .await;
+    browser.close().await;
+    sub.shutdown().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+}
+
+/// A payload of markup is shown as its text on the job page and in the listing, and its script
+/// does not run.
+async fn a_payload_with_markup_is_shown_as_text<B: Backend>(db: Db<B>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    let t = table(&broker_testkit::unique_name("web_xss"), 3);
+    let (q, _) = prepare(&db, &t).await;
+    let payload = "<script>document.title='pwned'</script><b id=\"injected\">bold</b>";
+    let id = q.publish(NewJob::new(payload.to_owned())).await.unwrap();
+    let url = serve(Dashboard::new().queue(q.clone())).await;
+    let browser = Browser::start().await;
+    browser
+        .client
+        .goto(&format!("{url}/queues/{}/jobs/{id}", t.name()))
+        .await
+        .unwrap();
+    assert_eq!(browser.text("#payload").await, payload);
+    assert_eq!(browser.text("#state").await, "due");
+    assert!(
+        browser
+            .client
+            .find_all(Locator::Css("#injected"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_ne!(browser.client.title().await.unwrap(), "pwned");
+    browser
+        .client
+        .goto(&format!("{url}/queues/{}?state=due", t.name()))
+        .await
+        .unwrap();
+    assert_eq!(
+        browser
+            .text(&format!("tr[data-id=\"{id}\"] code.payload-preview"))
+            .await,
+        payload
+    );
+    assert!(
+        browser
+            .client
+            .find_all(Locator::Css("#injected"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    browser.close().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+}
+
+/// The Pause form posted without its CSRF token, and with a wrong one, is refused and the
+/// queue stays as it was; with its token it pauses. A read-only dashboard has no buttons and
+/// refuses the POST.
+async fn a_post_without_the_csrf_token_is_refused<B: Backend>(db: Db<B>)
+where
+    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+{
+    let t = table(&broker_testkit::unique_name("web_csrf"), 3);
+    let (q, _) = prepare(&db, &t).await;
+    let url = serve(Dashboard::new().queue(q.clone())).await;
+    let browser = Browser::start().await;
+    let form = format!("tr[data-queue=\"{}\"] form", t.name());
+    for tamper in [
+        "f.querySelector('input[name=csrf]').remove()",
+        "f.querySelector('input[name=csrf]').value = '00'.repeat(32)",
+    ] {
+        browser.client.goto(&url).await.unwrap();
+        browser.wait(&form).await;
+        browser
+            .client
+            .execute(
+                &format!(
+                    "var f = document.querySelector('{}'); {tamper};",
+                    form.replace('\'', "\\'")
+                ),
+                vec![],
+            )
+            .await
+            .unwrap();
+        browser.click(&format!("{form} button.pause")).await;
+        // Either page: the refusal, or (were the POST let through) the queues page again.
+        browser.wait("#error, td.state .paused").await;
+        assert!(
+            q.paused().await.unwrap().is_none(),
+            "{tamper}: the queue was paused"
+        );
+        let error = browser.text("#error").await;
+        assert!(error.contains("CSRF"), "{tamper}: {error}");
+    }
+    // The same form untouched pauses it.
+    browser.client.goto(&url).await.unwrap();
+    browser.click(&format!("{form} button.pause")).await;
+    browser
+        .wait(&format!("tr[data-queue=\"{}\"] td.state .paused", t.name()))
+        .await;
+    assert!(q.paused().await.unwrap().is_some());
+
+    let read_only = serve(Dashboard::new().queue(q.clone()).read_only(true)).await;
+    browser.client.goto(&read_only).await.unwrap();
+    browser.wait(".badge").await;
+    assert!(
+        browser
+            .client
+            .find_all(Locator::Css("form"))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a read-only dashboard shows no forms"
+    );
+    browser.close().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+}
+
+async fn sqlite() -> Db<broker_sqlite::SqliteBackend> {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("web"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    Db {
+        name: "sqlite",
+        dashboard: broker_sqlite::SqliteBackend::connect(&url).await.unwrap(),
+        worker: broker_sqlite::SqliteBackend::connect(&url).await.unwrap(),
+    }
+}
+
+async fn postgres() -> Db<broker_postgres::PgBackend> {
+    let url = std::env::var("SQLX_BROKER_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    Db {
+        name: "postgres",
+        dashboard: broker_postgres::PgBackend::connect(&url).await.unwrap(),
+        worker: broker_postgres::PgBackend::connect(&url).await.unwrap(),
+    }
+}
+
+async fn mariadb() -> Db<broker_mysql::MySqlBackend> {
+    let url = std::env::var("SQLX_BROKER_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    Db {
+        name: "mariadb",
+        dashboard: broker_mysql::MySqlBackend::connect(&url).await.unwrap(),
+        worker: broker_mysql::MySqlBackend::connect(&url).await.unwrap(),
+    }
+}
+
+macro_rules! browser_tests {
+    ($db:ident: $($case:ident),* $(,)?) => {
+        mod $db {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(super::$db().await).await;
+                }
+            )*
+        }
+    };
+}
+
+browser_tests!(sqlite:
+    the_queues_page_shows_the_counts_in_the_database,
+    pausing_in_the_browser_stops_a_subscription_in_another_broker,
+    a_dead_letter_requeued_in_the_browser_runs_again,
+    a_payload_with_markup_is_shown_as_text,
+    a_post_without_the_csrf_token_is_refused,
+);
+browser_tests!(postgres:
+    the_queues_page_shows_the_counts_in_the_database,
+    pausing_in_the_browser_stops_a_subscription_in_another_broker,
+    a_dead_letter_requeued_in_the_browser_runs_again,
+    a_payload_with_markup_is_shown_as_text,
+    a_post_without_the_csrf_token_is_refused,
+);
+browser_tests!(mariadb:
+    the_queues_page_shows_the_counts_in_the_database,
+    pausing_in_the_browser_stops_a_subscription_in_another_broker,
+    a_dead_letter_requeued_in_the_browser_runs_again,
+    a_payload_with_markup_is_shown_as_text,
+    a_post_without_the_csrf_token_is_refused,
+);
