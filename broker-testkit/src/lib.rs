@@ -74,6 +74,8 @@ macro_rules! conformance_suite {
             options_lowered_to_fit_the_pool_show_in_health,
             close_before_shutdown_waits_for_the_handlers,
             the_shutdown_report_counts_only_deliveries_in_work_at_the_stop,
+            the_doctor_fails_a_missing_table_and_passes_no_index_check_on_it,
+            a_missing_advisory_key_column_is_named_by_its_role,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_suite_covers_what_the_backend_offers() {

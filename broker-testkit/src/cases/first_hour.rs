@@ -260,3 +260,48 @@ pub async fn an_ack_whose_reply_was_lost_counts_as_acked<D: TestDb>(mode: ClaimM
     assert_eq!((m.acked, m.gone, m.lease_lost), (1, 0, 0), "{m:?}");
     fx.cleanup().await;
 }
+
+/// The doctor on a table that does not exist fails a "table" check that says how to create it,
+/// and passes no index check on it.
+pub async fn the_doctor_fails_a_missing_table_and_passes_no_index_check_on_it<D: TestDb>() {
+    let url = D::database().await;
+    let broker = D::connect(&url).await;
+    let table = describe(&crate::unique_name("absent"), ClaimMode::Lease)
+        .build()
+        .unwrap();
+    let report = broker
+        .doctor(&table, &broker_core::DoctorOptions::new())
+        .await;
+    let check = report.check("table").unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(check.status, broker_core::Status::Fail, "{report}");
+    assert!(check.fix.contains("create_tables"), "{report}");
+    let indexes = report
+        .check("indexes")
+        .unwrap_or_else(|| panic!("{report}"));
+    assert_ne!(indexes.status, broker_core::Status::Pass, "{report}");
+    assert!(
+        report
+            .checks
+            .iter()
+            .all(|c| c.status != broker_core::Status::Pass || !c.found.contains("index")),
+        "{report}"
+    );
+    broker.close().await;
+    D::drop_database(&url).await;
+}
+
+/// A missing column that the advisory key template reads is named as the advisory key's, not
+/// as "(column)".
+pub async fn a_missing_advisory_key_column_is_named_by_its_role<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let keyed = broker_core::TableDescription::builder(fx.table.name())
+        .payload("payload", broker_core::ColumnType::Text)
+        .column("account_missing", broker_core::ColumnType::Text)
+        .advisory_lock("acct-{account_missing}")
+        .build()
+        .unwrap();
+    let err = fx.broker.queue::<D::Job>(keyed).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("\"account_missing\" (advisory key)"), "{msg}");
+    fx.cleanup().await;
+}
