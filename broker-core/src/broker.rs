@@ -70,20 +70,14 @@ impl<B: Backend> Broker<B> {
     /// to read just the payload column).
     pub async fn queue<T>(&self, table: TableDescription) -> Result<Queue<B, T>> {
         let table = Arc::new(table);
-        let caps = self.inner.backend.capabilities();
-        if !caps.offers(table.mode()) {
-            return Err(SqlxBrokerError::ModeNotOffered {
-                table: table.name().to_owned(),
-                mode: table.mode(),
-                database: caps.database,
-                hint: "add a locked_until column (lease mode) or an advisory_lock template",
-            });
-        }
+        self.check_offered(&table)?;
         self.inner.backend.check_names(&table)?;
-        let prepared = self.inner.backend.prepare(&table).await?;
+        let (prepared, warnings) =
+            crate::warnings::collecting(self.inner.backend.prepare(&table)).await;
+        let prepared = prepared?;
         Ok(Queue {
             inner: Arc::new(QueueInner {
-                shared: Arc::new(Shared::new(self.inner.clone(), table)),
+                shared: Arc::new(Shared::new(self.inner.clone(), table, warnings)),
                 mode: prepared.into(),
             }),
             _row: PhantomData,
@@ -151,8 +145,27 @@ impl<B: Backend> Broker<B> {
         self.inner.backend.ddl(table)
     }
 
+    /// Refuses a table whose claim mode the database does not offer, as [`queue`](Self::queue)
+    /// and [`create_tables`](Self::create_tables) do.
+    fn check_offered(&self, table: &TableDescription) -> Result<()> {
+        let caps = self.inner.backend.capabilities();
+        if caps.offers(table.mode()) {
+            return Ok(());
+        }
+        Err(SqlxBrokerError::ModeNotOffered {
+            table: table.name().to_owned(),
+            mode: table.mode(),
+            database: caps.database,
+            hint: "add a locked_until column (lease mode) or an advisory_lock template",
+        })
+    }
+
     /// Creates the table of a description (and its index and dead-letter table) if missing.
+    /// A description that [`queue`](Self::queue) would refuse before it reads the table (a
+    /// claim mode the database does not offer, names too long for it) is refused here with the
+    /// same error, and nothing is created.
     pub async fn create_tables(&self, table: &TableDescription) -> Result<()> {
+        self.check_offered(table)?;
         self.inner.backend.check_names(table)?;
         let ddl = self.inner.backend.ddl(table);
         self.inner
@@ -177,12 +190,20 @@ impl<B: Backend> Broker<B> {
         self.inner.closed.load(Ordering::SeqCst)
     }
 
-    /// Shuts the broker down: subscriptions stop (as [`Subscription::shutdown`] does, in the
-    /// background), and clean-ups of dropped deliveries finish. A pool the broker opened
-    /// (`connect`) closes; a pool you passed in (`new`) stays open for the rest of your
-    /// program. Settlements after this return [`SqlxBrokerError::Closed`].
+    /// Shuts the broker down: every subscription of the broker stops as
+    /// [`Subscription::shutdown`] stops one (no new claims; the handlers in work finish and are
+    /// settled, up to each subscription's shutdown deadline), and `close` waits for that, so
+    /// closing before shutting the subscriptions down loses no handler's work. Then clean-ups of
+    /// dropped deliveries finish, and a pool the broker opened (`connect`) closes; a pool you
+    /// passed in (`new`) stays open for the rest of your program. Settlements after this (of
+    /// deliveries claimed by hand) return [`SqlxBrokerError::Closed`]. Shutting the
+    /// subscriptions down first still tells you what each finished ([`ShutdownReport`](crate::ShutdownReport)).
     pub async fn close(&self) {
         self.inner.shutdown.send_replace(true);
+        // The count only falls once the shutdown is sent: an engine started after it sees the
+        // stop at once.
+        let mut engines = self.inner.engines.subscribe();
+        let _ = engines.wait_for(|n| *n == 0).await;
         self.inner.closed.store(true, Ordering::SeqCst);
         self.inner.drain_cleanups().await;
         if self.inner.owns_pool {
@@ -251,6 +272,15 @@ impl<B: Backend, T> Queue<B, T> {
     /// The counters of this queue.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.inner.shared.metrics.snapshot()
+    }
+
+    /// What preparing the table found that works but should be fixed, one sentence each with
+    /// the fix (today: a claim index that is missing or not what the claim reads). Empty when
+    /// all is well. The same lines are `tracing` warnings, are in every subscription's
+    /// [`Health::warnings`](crate::Health::warnings), and go to standard error once when no
+    /// `tracing` subscriber is installed.
+    pub fn warnings(&self) -> &[String] {
+        &self.inner.shared.warnings
     }
 
     /// The row `id` now, or `None` when it is gone.

@@ -313,6 +313,28 @@ where
         } else {
             Some(T::from_row(&claimed.row))
         };
+        match &decoded {
+            Some(Ok(_)) => queue
+                .decode
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .decoded(),
+            Some(Err(source)) => {
+                let text = crate::error::driver_message(source);
+                crate::warnings::print_once(
+                    queue.name(),
+                    &format!(
+                        "claimed rows do not decode into the handler's row type ({text}); each is retried, then dead-lettered: make the row type match the table's columns (see Subscription::health)"
+                    ),
+                );
+                queue
+                    .decode
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .failed(format!("row {id}: {text}"));
+            }
+            None => {}
+        }
         match decoded {
             Some(Ok(row)) => Some(Self {
                 queue,

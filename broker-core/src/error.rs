@@ -100,7 +100,7 @@ pub enum SqlxBrokerError {
 
     /// A check at subscribe time found the table or a column missing, or a statement that does
     /// not prepare.
-    #[error("table \"{table}\": {what} (statement \"{statement}\"): {source}")]
+    #[error("table \"{table}\": {what} (statement \"{statement}\"): {}", driver_message(.source))]
     Schema {
         /// The table.
         table: String,
@@ -115,7 +115,7 @@ pub enum SqlxBrokerError {
 
     /// A statement failed while the broker ran it. `table` is empty for statements that belong
     /// to no table (connecting, reading the server version); the message then leaves it out.
-    #[error("{}statement \"{name}\" failed: {source}", table_prefix(.table))]
+    #[error("{}statement \"{name}\" failed: {}", table_prefix(.table), driver_message(.source))]
     Statement {
         /// The table.
         table: String,
@@ -126,19 +126,24 @@ pub enum SqlxBrokerError {
         source: sqlx::Error,
     },
 
-    /// Connecting to the database failed (a backend's `connect`).
-    #[error(
-        "could not connect to the database: {source}; check the URL, that the server is up, and the credentials"
-    )]
+    /// Connecting to the database failed (a backend's `connect`), or the URL is not one for
+    /// this backend. Build it with [`SqlxBrokerError::connect`], which says what to check for
+    /// the kind of failure.
+    #[error("could not connect to the {database} database: {}; {hint}", driver_message(.source))]
     Connect {
-        /// The driver's error.
+        /// The database the backend is for ("PostgreSQL", "MySQL/MariaDB", "SQLite").
+        database: &'static str,
+        /// What to check or change.
+        hint: String,
+        /// The driver's error: its cause, not a pool timeout (the backends connect once before
+        /// they open the pool, so "connection refused" stays "connection refused").
         #[source]
         source: sqlx::Error,
     },
 
     /// A DDL statement (from the DDL helper) failed. `table` is empty until the broker fills
     /// in the table it ran the DDL for.
-    #[error("{}DDL statement failed: {source}; the statement was: {statement}", table_prefix(.table))]
+    #[error("{}DDL statement failed: {}; the statement was: {statement}", table_prefix(.table), driver_message(.source))]
     Ddl {
         /// The table.
         table: String,
@@ -173,7 +178,7 @@ pub enum SqlxBrokerError {
 
     /// A claimed row's columns could not be decoded into the handler's type.
     #[error(
-        "table \"{table}\": row {id} does not decode: {source}; make the row type match the table's columns"
+        "table \"{table}\": row {id} does not decode: {}; make the row type match the table's columns", driver_message(.source)
     )]
     Decode {
         /// The table.
@@ -302,6 +307,34 @@ impl SqlxBrokerError {
         }
     }
 
+    /// A failed connection to a `database` server, with a hint chosen by the kind of failure:
+    /// a refused connection names the port, an unanswered one the host, a refusal by the
+    /// server the credentials and database name.
+    pub fn connect(database: &'static str, source: sqlx::Error) -> Self {
+        let hint = match &source {
+            sqlx::Error::Io(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                "nothing accepts connections at that host and port: check the port in the URL and that the server is up"
+            }
+            sqlx::Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                "the server did not answer: check the host in the URL, firewalls, and that the server is up"
+            }
+            sqlx::Error::Io(_) => "check the host and port in the URL and that the server is up",
+            sqlx::Error::Tls(_) => {
+                "check the TLS settings in the URL (sslmode, ssl-mode) and the server's certificate"
+            }
+            sqlx::Error::Database(_) => {
+                "the server refused the session: check the user, password and database name in the URL"
+            }
+            sqlx::Error::Configuration(_) => "fix the URL",
+            _ => "check the URL, that the server is up, and the credentials",
+        };
+        Self::Connect {
+            database,
+            hint: hint.to_owned(),
+            source,
+        }
+    }
+
     /// A failed DDL statement.
     pub fn ddl(statement: &str, source: sqlx::Error) -> Self {
         Self::Ddl {
@@ -316,11 +349,24 @@ impl SqlxBrokerError {
         match self {
             Self::Schema { source, .. }
             | Self::Statement { source, .. }
-            | Self::Connect { source }
+            | Self::Connect { source, .. }
             | Self::Ddl { source, .. }
             | Self::Decode { source, .. } => Some(source),
             _ => None,
         }
+    }
+}
+
+/// A driver error as our messages show it. A database's error is its message and code, without
+/// PostgreSQL's "at line N": that is the line of the server's C source that raised it, which
+/// reads as a line of the user's SQL.
+pub fn driver_message(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("{} (code {code})", db.message()),
+            None => db.message().to_owned(),
+        },
+        other => other.to_string(),
     }
 }
 

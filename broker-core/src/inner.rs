@@ -23,6 +23,9 @@ pub(crate) struct BrokerInner<B: Backend> {
     pub(crate) owns_pool: bool,
     pub(crate) closed: AtomicBool,
     pub(crate) shutdown: tokio::sync::watch::Sender<bool>,
+    /// Subscription engines of this broker still running: `close` waits until none is, so the
+    /// handlers in work settle before settlements are refused.
+    pub(crate) engines: tokio::sync::watch::Sender<usize>,
     wakers: Mutex<HashMap<String, Vec<Weak<Notify>>>>,
     /// Keys this broker holds now, so a claim skips them before spending a connection.
     pub(crate) held_keys: Mutex<HashSet<String>>,
@@ -34,6 +37,17 @@ pub(crate) struct BrokerInner<B: Backend> {
     pub(crate) pause_epoch: std::sync::atomic::AtomicU64,
 }
 
+/// A running subscription engine, counted in [`BrokerInner::engines`] until dropped.
+pub(crate) struct EngineRunning<B: Backend> {
+    broker: Arc<BrokerInner<B>>,
+}
+
+impl<B: Backend> Drop for EngineRunning<B> {
+    fn drop(&mut self) {
+        self.broker.engines.send_modify(|n| *n -= 1);
+    }
+}
+
 impl<B: Backend> BrokerInner<B> {
     pub(crate) fn new(backend: B, owns_pool: bool) -> Self {
         Self {
@@ -41,10 +55,20 @@ impl<B: Backend> BrokerInner<B> {
             owns_pool,
             closed: AtomicBool::new(false),
             shutdown: tokio::sync::watch::Sender::new(false),
+            engines: tokio::sync::watch::Sender::new(0),
             wakers: Mutex::new(HashMap::new()),
             held_keys: Mutex::new(HashSet::new()),
             cleanups: Mutex::new(JoinSet::new()),
             pause_epoch: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Counts a subscription engine as running until the returned guard drops (when its task
+    /// ends, panicking or not).
+    pub(crate) fn engine_started(self: &Arc<Self>) -> EngineRunning<B> {
+        self.engines.send_modify(|n| *n += 1);
+        EngineRunning {
+            broker: self.clone(),
         }
     }
 
@@ -126,11 +150,21 @@ pub(crate) struct Shared<B: Backend> {
     pub(crate) settle_failures: SettleFailures,
     /// Where claims start reading (see [`Head`]).
     pub(crate) head: Head,
+    /// What the backend warned about when it prepared the table (a missing claim index).
+    pub(crate) warnings: Vec<String>,
+    /// Claimed rows that did not decode into the row type.
+    pub(crate) decode: Arc<Mutex<crate::warnings::DecodeHealth>>,
 }
 
 impl<B: Backend> Shared<B> {
-    pub(crate) fn new(broker: Arc<BrokerInner<B>>, table: Arc<TableDescription>) -> Self {
+    pub(crate) fn new(
+        broker: Arc<BrokerInner<B>>,
+        table: Arc<TableDescription>,
+        warnings: Vec<String>,
+    ) -> Self {
         Self {
+            warnings,
+            decode: Arc::default(),
             broker,
             head: Head::new(&table),
             metrics: Metrics::new(table.name()),

@@ -77,6 +77,7 @@ mod payload;
 mod publish;
 mod subscription;
 mod table;
+mod warnings;
 
 pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
 #[cfg(feature = "metrics")]

@@ -321,7 +321,10 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
-    /// Handlers that finished (and were settled) during shutdown.
+    /// Deliveries in work when the shutdown began (or started during it, from rows already
+    /// claimed) whose handlers finished and were settled before the deadline. A delivery that
+    /// had left work before the stop (it shows in the counters as acked, retried, ...) is not
+    /// counted, even when its task had not ended yet.
     pub finished: usize,
     /// Handlers still running at the deadline, dropped (their rows released).
     pub dropped: usize,
@@ -336,6 +339,7 @@ pub struct ShutdownReport {
 pub struct Subscription {
     stop: watch::Sender<bool>,
     health: Arc<Mutex<Health>>,
+    decode: Arc<Mutex<crate::warnings::DecodeHealth>>,
     task: Option<tokio::task::JoinHandle<ShutdownReport>>,
     metrics: Arc<dyn Fn() -> MetricsSnapshot + Send + Sync>,
 }
@@ -354,14 +358,22 @@ impl Subscription {
         (self.metrics)()
     }
 
-    /// Whether the subscription's claims work now: a table the role cannot write, a dropped
-    /// table or a lost server shows here as claims failing in a row, with the last error, and
-    /// not only in the log. The engine keeps trying, backing off.
+    /// Whether the subscription works now, and what it warns about, without a `tracing`
+    /// subscriber: a table the role cannot write, a dropped table or a lost server shows as
+    /// claims failing in a row, with the last error (the engine keeps trying, backing off); a
+    /// row type that does not match the table as claimed rows failing to decode, with the last
+    /// error (each such row is retried and in the end dead-lettered); a concurrency the pool
+    /// cannot serve, lowered, and a missing claim index, in `warnings`.
     pub fn health(&self) -> Health {
-        self.health
+        let mut h = self
+            .health
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .clone();
+        let d = self.decode.lock().unwrap_or_else(|p| p.into_inner());
+        h.decode_errors_in_a_row = d.in_a_row;
+        h.last_decode_error.clone_from(&d.last);
+        h
     }
 
     /// Graceful shutdown: stops claiming, waits for handlers in work up to the shutdown
@@ -403,12 +415,24 @@ pub struct Health {
     pub claim_errors_in_a_row: u32,
     /// The error of the last failed claim, while claims keep failing.
     pub last_claim_error: Option<String>,
+    /// Claimed rows of the queue that did not decode into the handler's row type since the last
+    /// one that did (counted for every claim of the queue in this process).
+    pub decode_errors_in_a_row: u32,
+    /// The last decode error (`row 7: ...`), while rows keep failing to decode.
+    pub last_decode_error: Option<String>,
+    /// The concurrency the subscription runs at: what `SubscribeOptions::concurrency` asked
+    /// for, or less where the pool cannot serve it (then `warnings` says so).
+    pub concurrency: usize,
+    /// What works but should be fixed, one sentence each with the fix: a concurrency or claim
+    /// limit lowered to fit the pool, a claim index missing (from [`Queue::warnings`](crate::Queue::warnings)).
+    pub warnings: Vec<String>,
 }
 
 impl Health {
-    /// Whether the last claim worked.
+    /// Whether the last claim worked and the last claimed row decoded. Warnings do not make a
+    /// subscription unhealthy.
     pub fn is_healthy(&self) -> bool {
-        self.claim_errors_in_a_row == 0
+        self.claim_errors_in_a_row == 0 && self.decode_errors_in_a_row == 0
     }
 }
 
@@ -431,15 +455,27 @@ where
             ),
         });
     }
-    fit_to_pool(&mut options, &queue);
+    let mut warnings = queue.shared.warnings.clone();
+    warnings.extend(fit_to_pool(&mut options, &queue));
     let (stop, stop_rx) = watch::channel(false);
     let metrics_queue = queue.shared.clone();
     let metrics = Arc::new(move || metrics_queue.metrics.snapshot());
-    let health = Arc::new(Mutex::new(Health::default()));
-    let task = tokio::spawn(run(queue, options, handler, stop_rx, health.clone()));
+    let health = Arc::new(Mutex::new(Health {
+        concurrency: options.concurrency,
+        warnings,
+        ..Health::default()
+    }));
+    let decode = queue.shared.decode.clone();
+    let running = queue.shared.broker.engine_started();
+    let engine_health = health.clone();
+    let task = tokio::spawn(async move {
+        let _running = running;
+        run(queue, options, handler, stop_rx, engine_health).await
+    });
     Ok(Subscription {
         stop,
         health,
+        decode,
         task: Some(task),
         metrics,
     })
@@ -470,8 +506,10 @@ fn claims_for_pool(pool: usize) -> usize {
 /// and advisory keys held on connections), and an explicit claim limit above what the pool
 /// serves, each with a warning. Beyond the pool, more workers only queue for connections: at
 /// concurrency 10,000 on a pool of 5, claims and settlements timed out by the hundred thousand
-/// and throughput fell below that of 8 workers.
-fn fit_to_pool<B: Backend>(options: &mut SubscribeOptions, queue: &QueueInner<B>) {
+/// and throughput fell below that of 8 workers. Returns the warnings, for
+/// [`Health::warnings`] (and standard error without a `tracing` subscriber).
+fn fit_to_pool<B: Backend>(options: &mut SubscribeOptions, queue: &QueueInner<B>) -> Vec<String> {
+    let mut warnings = Vec::new();
     let pool = pool_size(queue);
     let table = &queue.shared.table;
     let holds_connection = match table.mode() {
@@ -495,6 +533,14 @@ fn fit_to_pool<B: Backend>(options: &mut SubscribeOptions, queue: &QueueInner<B>
             using = most,
             "every delivery in work holds a pool connection in this mode; lowering the concurrency to three quarters of the pool (grow the pool for more)"
         );
+        let text = format!(
+            "concurrency {} lowered to {most}: in {:?} mode every delivery in work holds one of the pool's {pool} connections; grow the pool (max_connections {}) for more",
+            options.concurrency,
+            table.mode(),
+            options.concurrency.saturating_mul(4).div_ceil(3),
+        );
+        crate::warnings::report(table.name(), text.clone());
+        warnings.push(text);
         options.concurrency = most;
     }
     let claims = claims_for_pool(pool);
@@ -508,8 +554,14 @@ fn fit_to_pool<B: Backend>(options: &mut SubscribeOptions, queue: &QueueInner<B>
             using = claims,
             "each claim in flight holds a pool connection; lowering max_claims_in_flight to half the pool"
         );
+        let text = format!(
+            "max_claims_in_flight {n} lowered to {claims}: each claim in flight holds one of the pool's {pool} connections"
+        );
+        crate::warnings::report(table.name(), text.clone());
+        warnings.push(text);
         options.max_claims_in_flight = Some(claims);
     }
+    warnings
 }
 
 /// The wait after `failures` claims failed in a row: the poll interval doubled per failure, at
@@ -674,6 +726,10 @@ struct Engine<B: Backend, T> {
     freed: AtomicU64,
     /// What [`Subscription::health`] reads; claims update it.
     health: Arc<Mutex<Health>>,
+    /// The subscription's and the broker's stop, read when a delivery leaves work: it counts
+    /// in the [`ShutdownReport`] only if it was still in work when the stop came.
+    stop: watch::Receiver<bool>,
+    broker_stop: watch::Receiver<bool>,
     span: tracing::Span,
 }
 
@@ -821,6 +877,8 @@ where
             wake,
             freed: AtomicU64::new(0),
             health,
+            stop: stop.clone(),
+            broker_stop: shared.broker.shutdown.subscribe(),
             span: span.clone(),
         }),
         plan,
@@ -910,8 +968,11 @@ where
             1
         };
         let window = self.window.clone();
-        // In this order: a stop wins over a handler that ended at the same time, so that
-        // handler is counted as finished during the shutdown (see `shut_down`).
+        // In this order: a stop is seen at once. Whether a task that ended at the same time
+        // counts as finished in the shutdown report is its own to say (see `work`): only if it
+        // was still in work when the stop came. Counting every task reaped during shutdown
+        // reported `finished: 1` for a handler that had settled before the stop (about one run
+        // in four of a test that shut down right after an ack).
         tokio::select! {
             biased;
             _ = self.stop.changed() => Event::Stop,
@@ -987,10 +1048,7 @@ where
                     seq,
                 });
                 match first {
-                    Some((d, permit)) => {
-                        work(e, d, permit).await;
-                        true
-                    }
+                    Some((d, permit)) => work(e, d, permit).await,
                     None => false,
                 }
             }
@@ -1108,6 +1166,11 @@ where
         h.claim_errors_in_a_row
     }
 
+    /// Whether the subscription or the broker has been told to stop.
+    fn stopping(&self) -> bool {
+        *self.stop.borrow() || *self.broker_stop.borrow()
+    }
+
     fn claim_errors_in_a_row(&self) -> u32 {
         self.health
             .lock()
@@ -1123,25 +1186,22 @@ where
         handlers: &mut JoinSet<bool>,
     ) -> Next {
         for (d, permit) in report.extras {
-            let task = work(self.clone(), d, permit);
-            handlers.spawn(
-                async move {
-                    task.await;
-                    true
-                }
-                .instrument(self.span.clone()),
-            );
+            handlers.spawn(work(self.clone(), d, permit).instrument(self.span.clone()));
         }
         report.next
     }
 }
 
 /// One claimed row: lease renewal from the start, a slot, the handler, then settlement.
+/// Returns whether the delivery was in work (counted in `in_work`) when the subscription or
+/// broker was told to stop: what [`ShutdownReport::finished`] counts. A delivery that left work
+/// before the stop is not counted, even when its task ends after it.
 async fn work<B, T>(
     engine: Arc<Engine<B, T>>,
     mut delivery: Delivery<B, T>,
     held: OwnedSemaphorePermit,
-) where
+) -> bool
+where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
@@ -1222,13 +1282,16 @@ async fn work<B, T>(
         // until the row is settled: their settlements are not batched, and a row lock or a key
         // holds a connection until then.
         let keep = if settles_beside_next_handler(&inner.table) {
-            None
+            // Read before the gauge falls, so a stop seen after it counts this row out.
+            let in_shutdown = engine.stopping();
+            drop((slot, in_work));
+            (None, in_shutdown)
         } else {
-            Some((slot, in_work))
+            (Some((slot, in_work)), false)
         };
         (result, keep)
     };
-    let ((result, kept), ()) = tokio::join!(running, renewal);
+    let ((result, (kept, left_in_shutdown)), ()) = tokio::join!(running, renewal);
 
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
@@ -1282,7 +1345,14 @@ async fn work<B, T>(
             }
         }
     }
-    drop(kept);
+    let in_shutdown = match kept {
+        Some(kept) => {
+            let in_shutdown = engine.stopping();
+            drop(kept);
+            in_shutdown
+        }
+        None => left_in_shutdown,
+    };
     drop(held);
     // Wake the claim loop for rows this settlement freed instead of leaving them to the next
     // poll.
@@ -1290,6 +1360,7 @@ async fn work<B, T>(
         engine.freed.fetch_add(1, Ordering::SeqCst);
         engine.wake.notify_one();
     }
+    in_shutdown
 }
 
 /// Whether a delivery gives its worker slot back when its handler returns, before it settles:
@@ -1368,6 +1439,7 @@ mod tests {
         let sub = Subscription {
             stop,
             health: Arc::default(),
+            decode: Arc::default(),
             task: Some(tokio::spawn(async { panic!("the engine broke") })),
             metrics: Arc::new(MetricsSnapshot::default),
         };

@@ -385,7 +385,19 @@ impl TableDescription {
             ),
         ];
         out.extend(optional.into_iter().filter_map(|(c, r)| c.map(|c| (c, r))));
-        out.extend(self.columns.iter().map(|(c, _)| (c.as_str(), "column")));
+        let keys = self
+            .advisory_lock
+            .as_ref()
+            .map(KeyTemplate::columns)
+            .unwrap_or_default();
+        out.extend(self.columns.iter().map(|(c, _)| {
+            let role = if keys.contains(&c.as_str()) {
+                "advisory key"
+            } else {
+                "declared"
+            };
+            (c.as_str(), role)
+        }));
         out
     }
 

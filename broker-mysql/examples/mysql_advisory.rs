@@ -57,6 +57,15 @@ async fn main() -> Result<(), BoxError> {
 
     let sub = queue.subscribe(SubscribeOptions::new().concurrency(4), post)?;
     wait_for(&sub, |m| m.acked == 12).await?;
+    // Warnings (a concurrency lowered to fit the pool, a missing claim index) and rows that do
+    // not decode into the row type reach you without a tracing subscriber: in health(), and
+    // once on standard error while no subscriber is installed.
+    let health = sub.health();
+    println!(
+        "healthy: {}, warnings: {:?}",
+        health.is_healthy(),
+        health.warnings
+    );
     sub.shutdown().await;
     let m = queue.metrics();
     println!("{m:?}");

@@ -77,6 +77,15 @@ async fn main() -> Result<(), BoxError> {
 
     let sub = queue.subscribe_with_transaction(SubscribeOptions::new().concurrency(2), ship)?;
     wait_for(&sub, |m| m.acked == 3).await?;
+    // Warnings (a concurrency lowered to fit the pool, a missing claim index) and rows that do
+    // not decode into the row type reach you without a tracing subscriber: in health(), and
+    // once on standard error while no subscriber is installed.
+    let health = sub.health();
+    println!(
+        "healthy: {}, warnings: {:?}",
+        health.is_healthy(),
+        health.warnings
+    );
     let report = sub.shutdown().await;
 
     let (orders, shipped): (i64, i64) = sqlx::query_as(

@@ -6,7 +6,7 @@ use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, WarmConnections};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, WarmConnections, connect};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -85,17 +85,23 @@ impl MySqlBackend {
 
     /// Connection settings for a queue database from a URL (`mysql://user:pass@host/db`), with
     /// the session time zone set to UTC (sqlx's default, made explicit).
+    /// The URL must be a `mysql://` or `mariadb://` one.
     pub fn connect_options(url: &str) -> Result<MySqlConnectOptions> {
+        connect::check_scheme(url, DATABASE, false)?;
         let options = MySqlConnectOptions::from_str(url).map_err(connect_error)?;
         Ok(options.timezone(Some("+00:00".to_owned())))
     }
 
     /// Opens a pool of 16 connections on `url` with [`connect_options`](Self::connect_options)
-    /// and returns a broker on it.
+    /// and returns a broker on it. One connection is opened first, so a wrong port, host or
+    /// password fails within seconds with its cause ([`SqlxBrokerError::Connect`]) instead of
+    /// after the pool's 30 s acquire timeout.
     pub async fn connect(url: &str) -> Result<MySqlBroker> {
+        let options = Self::connect_options(url)?;
+        connect::first_connection(&options, DATABASE).await?;
         let pool = MySqlPoolOptions::new()
             .max_connections(16)
-            .connect_with(Self::connect_options(url)?)
+            .connect_with(options)
             .await
             .map_err(connect_error)?;
         Ok(Broker::owning_pool(Self::new(pool)))
@@ -162,8 +168,11 @@ impl MySqlBackend {
     }
 }
 
+/// The database this backend's connect errors name.
+const DATABASE: &str = "MySQL/MariaDB";
+
 fn connect_error(source: sqlx::Error) -> SqlxBrokerError {
-    SqlxBrokerError::Connect { source }
+    SqlxBrokerError::connect(DATABASE, source)
 }
 
 /// A pool connection that is closed, not returned to the pool, if the statements on it are cut

@@ -46,7 +46,7 @@ pub(crate) async fn checks(
         out.push(wait_timeout(&mut a, table.mode()).await);
     }
     out.push(clock(&mut a, table).await);
-    out.push(indexes(&mut a, table).await);
+    out.extend(indexes(&mut a, table).await);
     let _ = a.close().await;
     let _ = b.close().await;
     out
@@ -208,6 +208,18 @@ async fn clock(conn: &mut MySqlConnection, table: &TableDescription) -> Check {
 
 /// The claim index the DDL helper creates, in claim order. (A FIFO table without its group index
 /// is refused when a queue is prepared.)
-async fn indexes(conn: &mut MySqlConnection, table: &TableDescription) -> Check {
-    broker_core::driver::indexes::check(crate::schema::index_advice(conn, table).await)
+async fn indexes(conn: &mut MySqlConnection, table: &TableDescription) -> Vec<Check> {
+    let exists: Result<i64, _> = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+    )
+    .persistent(false)
+    .bind(table.name())
+    .fetch_one(&mut *conn)
+    .await;
+    if matches!(exists, Ok(0)) {
+        return broker_core::driver::indexes::table_missing(table.name());
+    }
+    vec![broker_core::driver::indexes::check(
+        crate::schema::index_advice(conn, table).await,
+    )]
 }

@@ -348,19 +348,17 @@ pub(crate) async fn check_table(
                 e,
             )
         })?;
+    let mut missing = Vec::new();
+    let mut first = None;
     for (column, role) in t.named_columns() {
-        prepare(
-            conn,
-            format!("SELECT {} FROM {table} LIMIT 0", ident(column)),
-        )
-        .await
-        .map_err(|e| {
-            schema(
-                format!("column \"{column}\" ({role}) is missing; add it or fix the description"),
-                "column check",
-                e,
-            )
-        })?;
+        let probe = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
+        if let Err(e) = prepare(conn, probe).await {
+            missing.push((column, role));
+            first.get_or_insert(e);
+        }
+    }
+    if let Some(e) = first {
+        return Err(broker_core::driver::missing_columns(t, &missing, e));
     }
     let types: Vec<(String, String)> = sqlx::query_as(
         "SELECT CAST(COLUMN_NAME AS CHAR), CAST(LOWER(DATA_TYPE) AS CHAR) \

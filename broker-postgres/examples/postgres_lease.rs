@@ -97,6 +97,15 @@ async fn main() -> Result<(), BoxError> {
         .error_backoff(Duration::from_millis(50), Duration::from_millis(200));
     let sub = queue.subscribe(options, bill)?;
     wait_for(&sub, |m| m.acked == 3 && m.dead_lettered == 1).await?;
+    // Warnings (a concurrency lowered to fit the pool, a missing claim index) and rows that do
+    // not decode into the row type reach you without a tracing subscriber: in health(), and
+    // once on standard error while no subscriber is installed.
+    let health = sub.health();
+    println!(
+        "healthy: {}, warnings: {:?}",
+        health.is_healthy(),
+        health.warnings
+    );
     let report = sub.shutdown().await;
     println!("{report:?}, {:?}", queue.metrics());
 

@@ -1,13 +1,14 @@
 //! The PostgreSQL backend: connection, preparation, publish, and row inspection.
 
+use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, connect};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
-use sqlx::postgres::{PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, Row};
 
 use crate::advisory::PgAdvisory;
@@ -101,12 +102,21 @@ impl PgBackend {
 
     /// Opens a pool of up to 16 connections on `url` (e.g.
     /// `postgres://app@localhost/app?application_name=worker`) and returns a broker on it.
+    ///
+    /// The URL must be a `postgres://` or `postgresql://` one. One connection is opened first,
+    /// so a wrong port, host or password fails within seconds with its cause
+    /// ([`SqlxBrokerError::Connect`]) instead of after the pool's 30 s acquire timeout.
     pub async fn connect(url: &str) -> Result<PgBroker> {
+        const DB: &str = "PostgreSQL";
+        connect::check_scheme(url, DB, false)?;
+        let options =
+            PgConnectOptions::from_str(url).map_err(|e| SqlxBrokerError::connect(DB, e))?;
+        connect::first_connection(&options, DB).await?;
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            .connect(url)
+            .connect_with(options)
             .await
-            .map_err(|source| SqlxBrokerError::Connect { source })?;
+            .map_err(|e| SqlxBrokerError::connect(DB, e))?;
         Ok(Broker::owning_pool(Self::new(pool)))
     }
 }

@@ -55,8 +55,12 @@ pub(crate) async fn checks(
         out.extend(row_lock_settings(&mut a).await);
     }
     out.push(clock(&mut a, table).await);
-    out.push(indexes(&mut a, table).await);
-    out.push(vacuum(&mut a, table).await);
+    let found = indexes(&mut a, table).await;
+    let exists = found.iter().all(|c| c.name != "table");
+    out.extend(found);
+    if exists {
+        out.push(vacuum(&mut a, table).await);
+    }
     let _ = a.close().await;
     let _ = b.close().await;
     out
@@ -373,9 +377,17 @@ async fn vacuum(conn: &mut PgConnection, table: &TableDescription) -> Check {
     Check::pass(name, format!("autovacuum on, {tuned}{dead}"))
 }
 
-/// The indexes the DDL helper creates for the claim, by name.
-async fn indexes(conn: &mut PgConnection, table: &TableDescription) -> Check {
+/// The indexes the DDL helper creates for the claim, by name; a failed "table" check instead
+/// where the table does not exist.
+async fn indexes(conn: &mut PgConnection, table: &TableDescription) -> Vec<Check> {
     // Unprepared, so its statements run inside a transaction: behind a transaction-mode pooler
     // a bound statement's parse and execution must reach one server session.
-    broker_core::driver::indexes::check(schema::index_advice(conn, table, false).await)
+    if let Ok(columns) = schema::table_columns(conn, table, false).await
+        && columns.is_empty()
+    {
+        return broker_core::driver::indexes::table_missing(table.name());
+    }
+    vec![broker_core::driver::indexes::check(
+        schema::index_advice(conn, table, false).await,
+    )]
 }

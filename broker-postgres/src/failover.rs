@@ -84,7 +84,7 @@ impl PgBackend {
             .iter()
             .map(|u| PgConnectOptions::from_str(u))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|source| SqlxBrokerError::Connect { source })?;
+            .map_err(|e| SqlxBrokerError::connect("PostgreSQL", e))?;
         let Some((at, probe_conn)) = find_primary(&hosts).await else {
             return Err(SqlxBrokerError::Setup {
                 table: String::new(),
@@ -113,7 +113,7 @@ impl PgBackend {
             })
             .connect_with(hosts[at].clone())
             .await
-            .map_err(|source| SqlxBrokerError::Connect { source })?;
+            .map_err(|e| SqlxBrokerError::connect("PostgreSQL", e))?;
         tokio::spawn(watch(pool.clone(), Arc::new(hosts), at, probe_conn));
         Ok(Broker::owning_pool(Self::new(pool)))
     }

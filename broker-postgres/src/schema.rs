@@ -430,15 +430,17 @@ pub(crate) async fn check(
                 e,
             )
         })?;
+    let mut missing = Vec::new();
+    let mut first = None;
     for (column, role) in t.named_columns() {
         let sql = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
-        probe(conn, sql, prepared).await.map_err(|e| {
-            schema(
-                format!("column \"{column}\" ({role}) is missing; add it or fix the description"),
-                "column check",
-                e,
-            )
-        })?;
+        if let Err(e) = probe(conn, sql, prepared).await {
+            missing.push((column, role));
+            first.get_or_insert(e);
+        }
+    }
+    if let Some(e) = first {
+        return Err(broker_core::driver::missing_columns(t, &missing, e));
     }
     let types: HashMap<String, String> = read_by_table::<(String, String)>(
         conn,

@@ -86,6 +86,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let m = sub.metrics();
+    // Warnings (a concurrency lowered to fit the pool, a missing claim index) and rows that do
+    // not decode into the row type reach you without a tracing subscriber: in health(), and
+    // once on standard error while no subscriber is installed.
+    let health = sub.health();
+    println!(
+        "healthy: {}, warnings: {:?}",
+        health.is_healthy(),
+        health.warnings
+    );
     sub.shutdown().await;
     broker.close().await;
     println!(

@@ -55,6 +55,15 @@ async fn main() -> Result<(), BoxError> {
     while sub.metrics().acked < 200 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Warnings (a concurrency lowered to fit the pool, a missing claim index) and rows that do
+    // not decode into the row type reach you without a tracing subscriber: in health(), and
+    // once on standard error while no subscriber is installed.
+    let health = sub.health();
+    println!(
+        "healthy: {}, warnings: {:?}",
+        health.is_healthy(),
+        health.warnings
+    );
     sub.shutdown().await;
 
     // What a Prometheus server would scrape.

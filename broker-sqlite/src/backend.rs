@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::driver::{ClaimedRow, NotOffered, Prepared, WarmConnections};
+use broker_core::driver::{ClaimedRow, NotOffered, Prepared, WarmConnections, connect};
 use broker_core::{
     Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
@@ -18,6 +18,51 @@ use crate::keys::KeyTable;
 use crate::lease::SqliteLease;
 use crate::sql::ident;
 use crate::{schema, version};
+
+/// The database this backend's connect errors name.
+const DATABASE: &str = "SQLite";
+
+/// A connect error that says what to check about the file (`file`, and whether the pool would
+/// create it): a missing folder, a missing file, or its rights. There is no server to be up.
+fn connect_error(file: Option<(&std::path::Path, bool)>, source: sqlx::Error) -> SqlxBrokerError {
+    let hint = match file {
+        Some((file, _))
+            if file
+                .to_str()
+                .is_some_and(|f| f.contains(":memory:") || f.starts_with("file:")) =>
+        {
+            "check the URL".to_owned()
+        }
+        Some((file, create)) => {
+            let folder = file
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            if !folder.is_dir() {
+                format!(
+                    "the folder {} does not exist: create it, or fix the path in the URL",
+                    folder.display()
+                )
+            } else if !create && !file.exists() {
+                format!(
+                    "the file {} does not exist (nothing was created): fix the path in the URL, or create the queue with SqliteBackend::connect",
+                    file.display()
+                )
+            } else {
+                format!(
+                    "check that {} is a SQLite database and that this process may read and write it and its folder",
+                    file.display()
+                )
+            }
+        }
+        None => "fix the URL (sqlite:path/to/file.db or a file path)".to_owned(),
+    };
+    SqlxBrokerError::Connect {
+        database: DATABASE,
+        hint,
+        source,
+    }
+}
 
 /// A broker on SQLite.
 pub type SqliteBroker = Broker<SqliteBackend>;
@@ -39,10 +84,10 @@ impl SqliteBackend {
 
     /// Connection settings for a queue database: created if missing, WAL (readers never block
     /// the writer), and a busy timeout, so concurrent workers wait for the one writer instead of
-    /// failing with "database is locked".
+    /// failing with "database is locked". The URL is a `sqlite:` one or a file path.
     pub fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
-        let options = SqliteConnectOptions::from_str(url)
-            .map_err(|source| SqlxBrokerError::Connect { source })?;
+        connect::check_scheme(url, DATABASE, true)?;
+        let options = SqliteConnectOptions::from_str(url).map_err(|e| connect_error(None, e))?;
         Ok(options
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -50,13 +95,40 @@ impl SqliteBackend {
     }
 
     /// Opens a pool on `url` (e.g. `sqlite:jobs.db`) with [`connect_options`](Self::connect_options)
-    /// and returns a broker on it.
+    /// and returns a broker on it. The file is created if missing; its folder must exist.
     pub async fn connect(url: &str) -> Result<SqliteBroker> {
+        Self::open(Self::connect_options(url)?, true).await
+    }
+
+    /// Opens a pool on the database file `url` names only if the file exists, and returns a
+    /// broker on it: for tools that inspect a queue (the CLI, the doctor), which must never
+    /// leave an empty file behind where a path was mistyped. The journal mode is left as the
+    /// file has it.
+    pub async fn connect_existing(url: &str) -> Result<SqliteBroker> {
+        connect::check_scheme(url, DATABASE, true)?;
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| connect_error(None, e))?
+            .create_if_missing(false)
+            .busy_timeout(Duration::from_secs(30));
+        Self::open(options, false).await
+    }
+
+    /// Opens the pool after one connection (`create`: whether the options create the file).
+    async fn open(options: SqliteConnectOptions, create: bool) -> Result<SqliteBroker> {
+        let file = options.get_filename().to_owned();
+        connect::first_connection(&options, DATABASE)
+            .await
+            .map_err(|e| match e {
+                SqlxBrokerError::Connect { source, .. } => {
+                    connect_error(Some((&file, create)), source)
+                }
+                other => other,
+            })?;
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
-            .connect_with(Self::connect_options(url)?)
+            .connect_with(options)
             .await
-            .map_err(|source| SqlxBrokerError::Connect { source })?;
+            .map_err(|e| connect_error(Some((&file, create)), e))?;
         Ok(Broker::owning_pool(Self::new(pool)))
     }
 

@@ -75,8 +75,17 @@ pub(crate) async fn checks(
             "run one process per database file, or use lease mode (a locked_until column) for several",
         ));
     }
-    out.push(broker_core::driver::indexes::check(
-        crate::schema::index_advice(&mut conn, table).await,
-    ));
+    let exists: Result<i64, _> =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?1")
+            .bind(table.name())
+            .fetch_one(&mut *conn)
+            .await;
+    if matches!(exists, Ok(0)) {
+        out.extend(broker_core::driver::indexes::table_missing(table.name()));
+    } else {
+        out.push(broker_core::driver::indexes::check(
+            crate::schema::index_advice(&mut conn, table).await,
+        ));
+    }
     out
 }

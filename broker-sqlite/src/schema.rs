@@ -233,19 +233,20 @@ pub(crate) async fn check(
                 e,
             )
         })?;
+    let mut missing = Vec::new();
+    let mut first = None;
     for (column, role) in t.named_columns() {
         let probe = format!("SELECT {} FROM {table} LIMIT 0", ident(column));
-        conn.prepare(sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(probe)))
+        if let Err(e) = conn
+            .prepare(sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(probe)))
             .await
-            .map_err(|e| {
-                schema(
-                    format!(
-                        "column \"{column}\" ({role}) is missing; add it or fix the description"
-                    ),
-                    "column check",
-                    e,
-                )
-            })?;
+        {
+            missing.push((column, role));
+            first.get_or_insert(e);
+        }
+    }
+    if let Some(e) = first {
+        return Err(broker_core::driver::missing_columns(t, &missing, e));
     }
     for (column, role) in [(t.id(), "id"), (t.attempt(), "attempt")] {
         let declared: Option<String> =

@@ -69,6 +69,13 @@ macro_rules! conformance_suite {
             bad_operations_are_refused_and_change_nothing,
             rows_are_listed_by_state_a_page_at_a_time_and_old_finished_rows_purged,
             a_last_error_column_that_is_not_text_is_a_schema_error_naming_it,
+            every_missing_column_is_named,
+            rows_that_do_not_decode_show_in_health,
+            options_lowered_to_fit_the_pool_show_in_health,
+            close_before_shutdown_waits_for_the_handlers,
+            the_shutdown_report_counts_only_deliveries_in_work_at_the_stop,
+            the_doctor_fails_a_missing_table_and_passes_no_index_check_on_it,
+            a_missing_advisory_key_column_is_named_by_its_role,
         );
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_suite_covers_what_the_backend_offers() {
@@ -174,6 +181,7 @@ macro_rules! conformance_suite {
     (@only $db:ty; lease) => {
         $crate::conformance_suite!(@each $db; lease;
             a_stale_holder_cannot_renew,
+            an_ack_whose_reply_was_lost_counts_as_acked,
             acks_that_finish_together_are_each_fenced_on_their_own_token,
             a_renewal_run_again_after_it_landed_keeps_the_lease,
             a_row_deleted_while_claimed_is_reported_gone,

@@ -349,7 +349,7 @@ async fn run(cli: Cli) -> Result<Out, String> {
             .map_err(err)?;
         run_on(broker, table, &cli.command).await
     } else if url.starts_with("sqlite:") {
-        let broker = broker_sqlite::SqliteBackend::connect(url)
+        let broker = broker_sqlite::SqliteBackend::connect_existing(url)
             .await
             .map_err(err)?;
         run_on(broker, table, &cli.command).await

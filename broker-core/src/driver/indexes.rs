@@ -19,7 +19,9 @@ pub struct IndexAdvice {
 }
 
 /// Logs one warning per piece of advice, naming the statements to run, or one saying the
-/// indexes could not be listed.
+/// indexes could not be listed. The advice also reaches [`Queue::warnings`](crate::Queue::warnings)
+/// and [`Health::warnings`](crate::Health::warnings), and standard error when no `tracing`
+/// subscriber is installed (see the `warnings` module).
 pub fn warn<E: std::fmt::Display>(table: &str, advice: Result<Vec<IndexAdvice>, E>) {
     let advice = match advice {
         Ok(advice) => advice,
@@ -33,6 +35,15 @@ pub fn warn<E: std::fmt::Display>(table: &str, advice: Result<Vec<IndexAdvice>, 
         }
     };
     for a in advice {
+        crate::warnings::report(
+            table,
+            format!(
+                "index {}: {}: claims will slow down as rows they cannot take pile up; run: {}",
+                a.name,
+                a.found,
+                a.fix.join("; ")
+            ),
+        );
         tracing::warn!(
             table,
             index = a.name,
@@ -72,4 +83,22 @@ pub fn check<E: std::fmt::Display>(advice: Result<Vec<IndexAdvice>, E>) -> Check
                 .join(" "),
         ),
     }
+}
+
+/// The doctor's checks where the table does not exist: a failed "table" check that says how to
+/// create it, and the "indexes" check marked not run (the indexes of a missing table cannot
+/// pass), so a backend's doctor never passes a check on a table that is not there.
+pub fn table_missing(table: &str) -> Vec<Check> {
+    vec![
+        Check::fail(
+            "table",
+            format!("table \"{table}\" does not exist (or this role cannot see it)"),
+            "create it with broker.create_tables(&table), or run the statements broker.ddl(&table) returns",
+        ),
+        Check::warn(
+            "indexes",
+            "not checked: the table does not exist",
+            "create the table, then run the doctor again",
+        ),
+    ]
 }

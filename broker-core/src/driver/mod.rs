@@ -8,6 +8,7 @@
 //! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
 
 pub mod clock;
+pub mod connect;
 mod group_cursor;
 pub mod indexes;
 pub mod retry;
@@ -25,9 +26,36 @@ pub use crate::admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, RowCh
 use crate::claim_mode::ClaimMode;
 use crate::doctor::{Check, DoctorOptions};
 use crate::error::Result;
+pub use crate::error::driver_message;
 use crate::publish::NewJob;
 pub use crate::publish::PublishPlan;
 use crate::table::TableDescription;
+
+/// The startup check's error for the columns a table lacks, naming every one with its role
+/// (`missing`, in description order; not empty) so one run tells the whole fix. `source` is the
+/// driver's error for the first.
+pub fn missing_columns(
+    table: &TableDescription,
+    missing: &[(&str, &str)],
+    source: sqlx::Error,
+) -> crate::SqlxBrokerError {
+    let names = missing
+        .iter()
+        .map(|(c, role)| format!("\"{c}\" ({role})"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let what = if missing.len() == 1 {
+        format!("column {names} is missing; add it or fix the description")
+    } else {
+        format!("columns {names} are missing; add them or fix the description")
+    };
+    crate::SqlxBrokerError::Schema {
+        table: table.name().to_owned(),
+        what,
+        statement: "column check",
+        source,
+    }
+}
 
 /// Column aliases every backend gives the broker's own columns in a claimed row, so core code
 /// and [`Payload`](crate::Payload) can read them whatever the table calls them.

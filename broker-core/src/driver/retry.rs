@@ -71,7 +71,16 @@ where
     let mut backoff = FIRST_CONNECTION_BACKOFF;
     loop {
         match transient(&class, &mut work).await {
+            Ok(_) if take_lost_reply() => {
+                // A test's stand-in for a reply lost after the statement landed: run it again,
+                // as after a lost connection.
+                tracing::debug!(
+                    "a reply was dropped on a test's request; running the fenced statement again"
+                );
+                mark_lost_connection();
+            }
             Err(e) if class(&e) == ErrorClass::Connection => {
+                mark_lost_connection();
                 let left = deadline_ms.saturating_sub(clock::now_ms());
                 if left <= 0 {
                     return Err(e);
@@ -87,6 +96,51 @@ where
             other => return other,
         }
     }
+}
+
+tokio::task_local! {
+    /// Set by [`watching_lost_connections`]: whether a fenced statement inside ran again after
+    /// a lost connection.
+    static LOST_CONNECTION: std::cell::Cell<bool>;
+    /// Set by [`lose_replies`]: how many replies of fenced statements that worked to drop.
+    static LOSE_REPLIES: std::cell::Cell<u32>;
+}
+
+fn mark_lost_connection() {
+    let _ = LOST_CONNECTION.try_with(|c| c.set(true));
+}
+
+/// Whether [`lose_replies`] asks to drop this reply (and counts it).
+pub(crate) fn take_lost_reply() -> bool {
+    LOSE_REPLIES
+        .try_with(|c| {
+            let n = c.get();
+            c.set(n.saturating_sub(1));
+            n > 0
+        })
+        .unwrap_or(false)
+}
+
+/// Runs `f` and says whether a fenced statement in it ran again after a lost connection: a try
+/// whose reply never came may have landed, so a fence that then refuses may be refusing the
+/// settlement's own work. The engine runs lease settlements under it (in the same task, so the
+/// backend's [`fenced`] calls report here) and looks at the row before it reports a refusal.
+pub(crate) async fn watching_lost_connections<F: Future>(f: F) -> (F::Output, bool) {
+    LOST_CONNECTION
+        .scope(std::cell::Cell::new(false), async {
+            let out = f.await;
+            (out, LOST_CONNECTION.with(std::cell::Cell::get))
+        })
+        .await
+}
+
+/// For tests of what a lost reply does: runs `f` with the replies of its first `n` statements
+/// that worked (fenced settlements and the engine's ack statements, in this task) treated as
+/// lost after they landed, as when the connection drops between a commit and its reply. The
+/// statement is then run again, as after a real lost connection. Nothing else is changed.
+#[doc(hidden)]
+pub async fn lose_replies<F: Future>(n: u32, f: F) -> F::Output {
+    LOSE_REPLIES.scope(std::cell::Cell::new(n), f).await
 }
 
 #[cfg(test)]

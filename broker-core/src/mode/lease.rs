@@ -14,8 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-use crate::driver::clock;
-use crate::driver::{Action, Backend, ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle};
+use crate::driver::{
+    Action, Backend, ClaimedRow, ErrorClass, LeaseStrategy, LeaseToken, Position, Settle,
+};
+use crate::driver::{clock, retry};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::Shared;
 use crate::metrics::Counter;
@@ -68,7 +70,8 @@ enum AckAnswer {
     /// token, and nothing changed), and whether it acked other rows with it.
     Acked { acked: bool, batched: bool },
     /// The statement failed, or the backend acks one row at a time: settle the row alone.
-    Alone,
+    /// `may_have_landed`: the statement lost its connection, so it may have acked the row.
+    Alone { may_have_landed: bool },
 }
 
 /// The acks of one queue waiting for a statement, and how many statements are in flight.
@@ -96,15 +99,18 @@ impl AckBatch {
     }
 
     /// Acks `settle`'s row with others: whether it still held `token` and was acked, and
-    /// whether the statement acked other rows with it; `None` when it must be settled alone.
+    /// whether the statement acked other rows with it; `Err(may_have_landed)` when it must be
+    /// settled alone (`true` if a statement that took it lost its connection: see
+    /// [`AckAnswer::Alone`]). `lost_connection` tells a lost connection from other errors.
     async fn ack<L: LeaseStrategy>(
         &self,
         strategy: &L,
         token: LeaseToken,
         settle: Settle,
-    ) -> Option<(bool, bool)> {
+        lost_connection: &(dyn Fn(&SqlxBrokerError) -> bool + Sync),
+    ) -> Result<(bool, bool), bool> {
         if self.alone.load(Ordering::Relaxed) {
-            return None;
+            return Err(false);
         }
         let (answer, mut answered) = oneshot::channel();
         let id = settle.id;
@@ -127,7 +133,7 @@ impl AckBatch {
         };
         let answer = match batch {
             Some(batch) => {
-                self.run(strategy, batch).await;
+                self.run(strategy, batch, lost_connection).await;
                 answered.await
             }
             None => match tokio::time::timeout(SECOND_FLIGHT_AFTER, &mut answered).await {
@@ -147,26 +153,32 @@ impl AckBatch {
                         }
                     };
                     if let Some(batch) = batch {
-                        self.run(strategy, batch).await;
+                        self.run(strategy, batch, lost_connection).await;
                     }
                     answered.await
                 }
             },
         };
         match answer {
-            Ok(AckAnswer::Acked { acked, batched }) => Some((acked, batched)),
-            Ok(AckAnswer::Alone) | Err(_) => None,
+            Ok(AckAnswer::Acked { acked, batched }) => Ok((acked, batched)),
+            Ok(AckAnswer::Alone { may_have_landed }) => Err(may_have_landed),
+            Err(_) => Err(false),
         }
     }
 
     /// Runs ack statements, starting with `batch`, until no ack waits; holds one place among
     /// the flights (taken by the caller) and gives it back however it ends.
-    async fn run<L: LeaseStrategy>(&self, strategy: &L, batch: Vec<PendingAck>) {
+    async fn run<L: LeaseStrategy>(
+        &self,
+        strategy: &L,
+        batch: Vec<PendingAck>,
+        lost_connection: &(dyn Fn(&SqlxBrokerError) -> bool + Sync),
+    ) {
         let mut runner = Runner {
             acks: self,
             done: false,
         };
-        self.flight(strategy, batch).await;
+        self.flight(strategy, batch, lost_connection).await;
         loop {
             let next = {
                 let mut q = self.lock();
@@ -178,12 +190,17 @@ impl AckBatch {
                 }
                 take_batch(&mut q.waiting)
             };
-            self.flight(strategy, next).await;
+            self.flight(strategy, next, lost_connection).await;
         }
     }
 
     /// One ack statement over `batch`, one try; tells each ack what became of it.
-    async fn flight<L: LeaseStrategy>(&self, strategy: &L, batch: Vec<PendingAck>) {
+    async fn flight<L: LeaseStrategy>(
+        &self,
+        strategy: &L,
+        batch: Vec<PendingAck>,
+        lost_connection: &(dyn Fn(&SqlxBrokerError) -> bool + Sync),
+    ) {
         let acks: Vec<(i64, LeaseToken)> = batch.iter().map(|p| (p.settle.id, p.token)).collect();
         let now_ms = batch
             .iter()
@@ -191,7 +208,15 @@ impl AckBatch {
             .max()
             .unwrap_or_default();
         let batched = batch.len() > 1;
+        let mut may_have_landed = false;
         let acked = match strategy.ack_many(&acks, now_ms).await {
+            Ok(Some(_)) if retry::take_lost_reply() => {
+                tracing::debug!(
+                    "an ack statement's reply was dropped on a test's request; acking its rows one by one"
+                );
+                may_have_landed = true;
+                None
+            }
             Ok(Some(acked)) => Some(acked),
             Ok(None) => {
                 self.alone.store(true, Ordering::Relaxed);
@@ -199,8 +224,11 @@ impl AckBatch {
             }
             Err(e) => {
                 // Each ack runs again alone, with the per-row retries; a row whose ack fails
-                // for a reason of its own (a trigger, a constraint) then fails alone.
-                tracing::debug!(error = %e, rows = batch.len(), "an ack statement failed; acking its rows one by one");
+                // for a reason of its own (a trigger, a constraint) then fails alone. After a
+                // lost connection the statement may have landed: the fence then refuses the
+                // row's own ack, and the settlement looks at the row (see `LeaseHold::settle`).
+                may_have_landed = lost_connection(&e);
+                tracing::debug!(error = %e, rows = batch.len(), may_have_landed, "an ack statement failed; acking its rows one by one");
                 None
             }
         };
@@ -210,7 +238,7 @@ impl AckBatch {
                     acked: acked.contains(&p.settle.id),
                     batched,
                 },
-                None => AckAnswer::Alone,
+                None => AckAnswer::Alone { may_have_landed },
             };
             let _ = p.answer.send(answer);
         }
@@ -361,24 +389,47 @@ impl<B: Backend> LeaseHold<B> {
 
     /// Settles while the row still holds the lease; [`SqlxBrokerError::LeaseLost`] (or
     /// `RowGone`) and nothing changed when it does not.
+    ///
+    /// A refusal after a lost connection (a try of this settlement, or the shared ack statement
+    /// that took it, got no reply) may be the fence refusing the settlement's own first try,
+    /// which landed: the row is then looked at, and an ack whose row is gone (or marked
+    /// processed), or a dead letter whose row is dead-lettered, counts as done.
     pub(crate) async fn settle(mut self, settle: Settle) -> Result<()> {
         self.armed = false;
         let token = self.cell.token();
-        let batched = match settle.action {
-            Action::Ack => self.acks.ack(&*self.strategy, token, settle).await,
-            _ => None,
+        let backend = &self.shared.broker.backend;
+        let lost_connection = |e: &SqlxBrokerError| {
+            e.sqlx_source()
+                .is_some_and(|s| backend.classify(s) == ErrorClass::Connection)
         };
-        let settled = match batched {
-            Some((acked, batched)) => {
+        let batched = match settle.action {
+            Action::Ack => {
+                self.acks
+                    .ack(&*self.strategy, token, settle, &lost_connection)
+                    .await
+            }
+            _ => Err(false),
+        };
+        let (settled, landed_before) = match batched {
+            Ok((acked, batched)) => {
                 if acked && batched {
                     self.shared.metrics.add(Counter::BatchedAcks, 1);
                 }
-                Ok(acked)
+                (Ok(acked), false)
             }
-            None => self.strategy.settle(token, settle).await,
+            Err(may_have_landed) => {
+                let (settled, lost) =
+                    retry::watching_lost_connections(self.strategy.settle(token, settle)).await;
+                (settled, may_have_landed || lost)
+            }
         };
         match settled {
             Ok(true) => Ok(()),
+            Ok(false) if landed_before && self.own_try_landed(settle).await => {
+                tracing::debug!(table = self.shared.name(), id = settle.id, ?settle.action, "a try whose reply was lost had settled the row; the settlement counts as done");
+                self.shared.settle_failures.clear(settle.id);
+                Ok(())
+            }
             Ok(false) => {
                 let e = self.shared.lost(settle.id).await;
                 self.shared.settle_failed(settle.id, &e);
@@ -399,6 +450,28 @@ impl<B: Backend> LeaseHold<B> {
                 }
                 Err(e)
             }
+        }
+    }
+}
+
+impl<B: Backend> LeaseHold<B> {
+    /// Whether row `settle.id` shows `settle`'s own effect: an ack's row is gone or marked
+    /// processed; a dead letter's row is dead-lettered. Only asked after a try of this
+    /// settlement lost its connection and a later one was refused: the row held this delivery's
+    /// lease until then, so nothing but that try can have done it (short of a hand-made delete
+    /// in that window). A failed look says no.
+    async fn own_try_landed(&self, settle: Settle) -> bool {
+        let state = self
+            .shared
+            .broker
+            .backend
+            .row_state(&self.shared.table, settle.id)
+            .await;
+        match (settle.action, state) {
+            (Action::Ack, Ok(None)) => true,
+            (Action::Ack, Ok(Some(s))) => s.processed,
+            (Action::DeadLetter, Ok(Some(s))) => s.dead,
+            _ => false,
         }
     }
 }
