@@ -159,6 +159,7 @@ mod doctor;
 mod fifo;
 mod lease;
 mod row_lock;
+mod schedule;
 mod schema;
 mod sql;
 mod version;

@@ -68,6 +68,7 @@ mod doctor;
 mod fifo;
 mod keys;
 mod lease;
+mod schedule;
 mod schema;
 mod sql;
 mod version;
