@@ -286,7 +286,7 @@ pub async fn bad_unique_keys_are_refused_with_what_to_change<D: TestDb>() {
 
 /// Without the unique index the database enforces nothing: the doctor fails the table, naming
 /// the statement that makes the index, and two publishes of one key make two rows (what the
-/// index prevents). With the index back, the doctor passes.
+/// index prevents).
 pub async fn the_doctor_fails_a_table_without_its_unique_index<D: TestDb>() {
     let f = Fixture::<D>::new(ClaimMode::Lease, keyed).await;
     let q = f.queue().await;
