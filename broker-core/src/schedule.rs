@@ -491,3 +491,105 @@ where
         Ok(Some(id))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unix ms of a UTC date and time.
+    fn utc(y: i32, mo: u32, d: u32, h: u32, mi: u32) -> i64 {
+        Utc.with_ymd_and_hms(y, mo, d, h, mi, 0)
+            .single()
+            .unwrap()
+            .timestamp_millis()
+    }
+
+    #[test]
+    fn ticks_follow_the_expression_in_its_time_zone() {
+        let s = Schedule::new("n", "0 3 * * *")
+            .unwrap()
+            .time_zone("Europe/Paris")
+            .unwrap();
+        // 03:00 in Paris in January is 02:00 UTC.
+        let next = s.next_after(utc(2026, 1, 10, 12, 0)).unwrap();
+        assert_eq!(next, utc(2026, 1, 11, 2, 0));
+        assert_eq!(s.latest_at_or_before(next), Some(next));
+        assert_eq!(
+            s.latest_at_or_before(next - 1),
+            Some(utc(2026, 1, 10, 2, 0))
+        );
+        assert_eq!(s.next_after(next), Some(utc(2026, 1, 12, 2, 0)));
+    }
+
+    #[test]
+    fn a_fixed_time_in_the_spring_gap_runs_right_after_it_and_once_in_the_autumn_overlap() {
+        // Paris skips 02:00-03:00 on 2026-03-29 and repeats 02:00-03:00 on 2026-10-25.
+        let s = Schedule::new("n", "30 2 * * *")
+            .unwrap()
+            .time_zone("Europe/Paris")
+            .unwrap();
+        let spring = s.next_after(utc(2026, 3, 28, 12, 0)).unwrap();
+        // 02:30 does not exist; the first valid time after the gap is 03:00 CEST = 01:00 UTC.
+        assert_eq!(spring, utc(2026, 3, 29, 1, 0));
+        let autumn = s.next_after(utc(2026, 10, 24, 12, 0)).unwrap();
+        // The first 02:30 (CEST, 00:30 UTC), and not the second (CET, 01:30 UTC).
+        assert_eq!(autumn, utc(2026, 10, 25, 0, 30));
+        assert_eq!(s.next_after(autumn), Some(utc(2026, 10, 26, 1, 30)));
+    }
+
+    #[test]
+    fn an_interval_runs_in_both_passes_of_the_autumn_overlap() {
+        let s = Schedule::new("n", "0 * * * *")
+            .unwrap()
+            .time_zone("Europe/Paris")
+            .unwrap();
+        let mut t = utc(2026, 10, 24, 23, 30);
+        let mut ticks = Vec::new();
+        for _ in 0..4 {
+            t = s.next_after(t).unwrap();
+            ticks.push(t);
+        }
+        // 02:00 CEST (00:00 UTC), 02:00 CET (01:00 UTC): hourly in real time.
+        assert_eq!(
+            ticks,
+            [
+                utc(2026, 10, 25, 0, 0),
+                utc(2026, 10, 25, 1, 0),
+                utc(2026, 10, 25, 2, 0),
+                utc(2026, 10, 25, 3, 0)
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_schedules_name_what_to_change() {
+        for (name, expr, needle) in [
+            ("", "* * * * *", "schedule name holds 1 to"),
+            ("s", "* * *", "cron expression \"* * *\" is invalid"),
+            (
+                "s",
+                "0 25 * * *",
+                "cron expression \"0 25 * * *\" is invalid",
+            ),
+        ] {
+            let e = Schedule::new(name, expr).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+            assert!(e.starts_with("schedule \""), "{e}");
+        }
+        let e = Schedule::new("s", "@daily")
+            .unwrap()
+            .time_zone("Europe/Pariss")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("time zone \"Europe/Pariss\" is unknown"), "{e}");
+    }
+
+    #[test]
+    fn lateness_is_kept_between_a_second_and_an_hour() {
+        let s = Schedule::new("s", "* * * * *").unwrap();
+        assert_eq!(s.max_lateness, DEFAULT_MAX_LATENESS);
+        let s = s.max_lateness(Duration::from_secs(86_400));
+        assert_eq!(s.max_lateness, MAX_LATENESS_CAP);
+        assert!(MAX_LATENESS_CAP.as_millis() * 2 < u128::from(TICK_KEPT_MS.unsigned_abs()));
+    }
+}
