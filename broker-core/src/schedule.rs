@@ -265,6 +265,8 @@ pub struct Scheduled {
     name: String,
     stop: watch::Sender<bool>,
     events: broadcast::Sender<Tick>,
+    /// Subscribed before the loop started, for the first call of [`ticks`](Self::ticks).
+    first: std::sync::Mutex<Option<broadcast::Receiver<Tick>>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -274,10 +276,12 @@ impl Scheduled {
         &self.name
     }
 
-    /// What this process does with each tick from now on (a tick it published, or found
-    /// published), for tests and logs. A slow receiver loses the oldest events first.
+    /// What this process does with each tick (a tick it published, or found published), for
+    /// tests and logs: the first call sees every tick since the schedule started, later calls
+    /// the ticks from then on. A slow receiver loses the oldest events first (1024 are kept).
     pub fn ticks(&self) -> broadcast::Receiver<Tick> {
-        self.events.subscribe()
+        let first = self.first.lock().unwrap_or_else(|p| p.into_inner()).take();
+        first.unwrap_or_else(|| self.events.subscribe())
     }
 
     /// Stops the schedule and waits for the tick in progress to finish.
@@ -333,7 +337,7 @@ where
         ));
     }
     let (stop, stop_rx) = watch::channel(false);
-    let (events, _) = broadcast::channel(1024);
+    let (events, first) = broadcast::channel(1024);
     let runner = Runner {
         stop: stop_rx.clone(),
         queue: queue.clone(),
@@ -348,6 +352,7 @@ where
         name,
         stop,
         events,
+        first: std::sync::Mutex::new(Some(first)),
         task: Some(task),
     })
 }

@@ -105,6 +105,13 @@ macro_rules! conformance_suite {
                 four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted,
                 missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once,
             );
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled() {
+                $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(
+                    concat!(module_path!(), "::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled"),
+                )
+                .await;
+            }
         }
     };
     (@mode $db:ty; $mode:ident; $server:ident) => {

@@ -96,6 +96,12 @@ async fn all_rows<D: TestDb>(q: &Queue<D::B, D::Job>) -> Vec<(i64, String)> {
 /// has two rows or two publishers, and every tick any broker saw has its row. Returns how many
 /// ticks were published.
 fn check_one_row_per_tick(rows: &[(i64, String)], seen: &[(usize, Tick)]) -> usize {
+    check_ticks(rows, seen, 0)
+}
+
+/// [`check_one_row_per_tick`], allowing up to `unreported` rows whose publisher never said so
+/// (a process killed between its commit and its report).
+fn check_ticks(rows: &[(i64, String)], seen: &[(usize, Tick)], unreported: usize) -> usize {
     let mut by_tick: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for (id, payload) in rows {
         let tick: i64 = payload.parse().expect("a tick's payload is its time");
@@ -114,8 +120,13 @@ fn check_one_row_per_tick(rows: &[(i64, String)], seen: &[(usize, Tick)]) -> usi
             t.at_ms
         );
     }
+    let mut silent = Vec::new();
     for (tick, ids) in &by_tick {
         let who = publishers.get(tick).cloned().unwrap_or_default();
+        if who.is_empty() {
+            silent.push((*tick, ids[0]));
+            continue;
+        }
         assert_eq!(
             who.len(),
             1,
@@ -126,6 +137,10 @@ fn check_one_row_per_tick(rows: &[(i64, String)], seen: &[(usize, Tick)]) -> usi
             "tick {tick}: the publisher's id is the row's"
         );
     }
+    assert!(
+        silent.len() <= unreported,
+        "rows of ticks no process reported publishing: {silent:?}; sightings: {seen:?}"
+    );
     by_tick.len()
 }
 
@@ -458,5 +473,169 @@ pub async fn missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_la
     );
     let seen = seen.lock().unwrap().clone();
     check_one_row_per_tick(&rows, &seen);
+    f.cleanup().await;
+}
+
+/// Set in the child processes of
+/// [`four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled`] to
+/// `who|table|schedule|url`.
+pub const PERIODIC_CHILD_ENV: &str = "SQLX_BROKER_PERIODIC_CHILD";
+
+/// A process of the kill case: runs the schedule on a broker of its own, prints
+/// `TICK <who> <at_ms> <id or ->` for each tick it saw, and stops when its stdin closes (or
+/// dies when the parent kills it).
+async fn periodic_child<D: TestDb>(spec: &str) {
+    let mut parts = spec.splitn(4, '|');
+    let (who, table, schedule, url) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+    );
+    let broker = D::connect(url).await;
+    let description = keyed(crate::describe(table, ClaimMode::Lease))
+        .build()
+        .expect("the kill case's description");
+    let queue = broker
+        .queue::<D::Job>(description)
+        .await
+        .expect("the child's queue");
+    let handle = queue
+        .schedule(
+            Schedule::new(schedule, EVERY_SECOND).unwrap(),
+            tick_job::<D>(ClaimMode::Lease),
+        )
+        .await
+        .expect("the child's schedule");
+    let mut ticks = handle.ticks();
+    let stdin_closed = tokio::task::spawn_blocking(|| {
+        let mut sink = String::new();
+        while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {}
+    });
+    tokio::pin!(stdin_closed);
+    loop {
+        tokio::select! {
+            t = ticks.recv() => match t {
+                Ok(t) => {
+                    let id = t.published.map_or_else(|| "-".to_owned(), |id| id.to_string());
+                    println!("TICK {who} {} {id}", t.at_ms);
+                    use std::io::Write as _;
+                    let _ = std::io::stdout().flush();
+                }
+                Err(_) => break,
+            },
+            _ = &mut stdin_closed => break,
+        }
+    }
+    handle.stop().await;
+    broker.close().await;
+}
+
+/// Four processes (this test binary re-run as children) run one every-second schedule for
+/// 30 s; one is killed with SIGKILL and a new one started mid-run. Every tick any process saw
+/// has exactly one row, no tick has two, and at most one row (the killed process's tick in
+/// flight) has no reported publisher. `test_path` is this test's name in its binary.
+pub async fn four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled<D: TestDb>(
+    test_path: &str,
+) {
+    use std::io::BufRead as _;
+    use std::process::{Command, Stdio};
+    if let Ok(spec) = std::env::var(PERIODIC_CHILD_ENV) {
+        periodic_child::<D>(&spec).await;
+        return;
+    }
+    let f = Fixture::<D>::new(ClaimMode::Lease, keyed).await;
+    let name = unique_name("sigkill");
+    let seen: Seen = Arc::default();
+    let test_name = test_path
+        .split_once("::")
+        .map_or(test_path, |(_, rest)| rest)
+        .to_owned();
+    let spawn = |who: usize| {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                test_name.as_str(),
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(
+                PERIODIC_CHILD_ENV,
+                format!("{who}|{}|{name}|{}", f.table.name(), f.url),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn a child process");
+        let stdout = child.stdout.take().unwrap();
+        let seen = seen.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let mut w = line.split_whitespace();
+                if w.next() != Some("TICK") {
+                    continue;
+                }
+                let (Some(who), Some(at), Some(id)) = (w.next(), w.next(), w.next()) else {
+                    continue;
+                };
+                let tick = Tick {
+                    at_ms: at.parse().unwrap(),
+                    published: id.parse().ok(),
+                };
+                seen.lock().unwrap().push((who.parse().unwrap(), tick));
+            }
+        });
+        child
+    };
+    let mut children: Vec<_> = (0..4).map(spawn).collect();
+    for step in 0..30 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if step == 10 {
+            children[3].kill().expect("SIGKILL child 3");
+            let _ = children[3].wait();
+        }
+        if step == 14 {
+            children[3] = spawn(4);
+        }
+    }
+    // The others stop when their stdin closes; a child still running after 30 s is killed.
+    for c in &mut children {
+        drop(c.stdin.take());
+    }
+    for c in &mut children {
+        let mut exited = false;
+        for _ in 0..300 {
+            if c.try_wait().ok().flatten().is_some() {
+                exited = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !exited {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    let q = f.queue().await;
+    let rows = all_rows::<D>(&q).await;
+    let seen = seen.lock().unwrap().clone();
+    let published = check_ticks(&rows, &seen, 1);
+    crate::report(&format!(
+        "periodic: 4 processes, 30 s, one SIGKILLed and replaced: {published} ticks, {} sightings, {} rows",
+        seen.len(),
+        rows.len()
+    ));
+    assert!(
+        published >= 5,
+        "an every-second schedule published only {published} ticks in 30 s"
+    );
+    assert!(
+        seen.iter().any(|(who, _)| *who == 4),
+        "the process started after the kill saw ticks"
+    );
     f.cleanup().await;
 }
