@@ -49,7 +49,8 @@ pub const DEFAULT_MAX_LATENESS: Duration = Duration::from_secs(60);
 /// The largest [`Schedule::max_lateness`]: an hour, far below how long a tick is kept (a day).
 pub const MAX_LATENESS_CAP: Duration = Duration::from_secs(3600);
 
-/// What a schedule does with missed ticks (see the [module docs](self)).
+/// What a schedule does with missed ticks: ticks that passed while no process ran the
+/// schedule, and ticks a running process reached more than [`Schedule::max_lateness`] late.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Missed {
     /// Publish no missed tick (the default).
