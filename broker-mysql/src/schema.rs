@@ -487,6 +487,17 @@ pub(crate) async fn check_table(
             "a text column (TEXT or VARCHAR): it keeps the handler's error message",
         ));
     }
+    if let Some(column) = t.unique_key()
+        && let Some(ty) = declared(column)
+        && !TEXT_TYPES.contains(&ty.as_str())
+    {
+        return Err(mismatch(
+            column,
+            "unique_key",
+            ty,
+            "a text column (VARCHAR(255)): it keeps each row's unique key",
+        ));
+    }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         prepare(conn, format!("SELECT * FROM {} LIMIT 0", ident(d)))
             .await

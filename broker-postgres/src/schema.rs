@@ -518,6 +518,17 @@ pub(crate) async fn check(
             "a text column (TEXT or VARCHAR): it keeps the handler's error message",
         ));
     }
+    if let Some(column) = t.unique_key()
+        && let Some(declared) = types.get(column)
+        && !(declared == "text" || declared.starts_with("character varying"))
+    {
+        return Err(mismatch(
+            column,
+            "unique_key",
+            declared,
+            "a text column (TEXT or VARCHAR): it keeps each row's unique key",
+        ));
+    }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         let sql = format!("SELECT * FROM {} LIMIT 0", ident(d));
         probe(conn, sql, prepared).await.map_err(|e| {

@@ -292,7 +292,19 @@ pub(crate) async fn check(
             ));
         }
     }
-    if let Some(column) = t.last_error() {
+    for (column, role, what) in [
+        (
+            t.last_error(),
+            "last_error",
+            "it keeps the handler's error message",
+        ),
+        (
+            t.unique_key(),
+            "unique_key",
+            "it keeps each row's unique key",
+        ),
+    ] {
+        let Some(column) = column else { continue };
         let declared: Option<String> =
             sqlx::query_scalar("SELECT type FROM pragma_table_info(?1) WHERE name = ?2")
                 .bind(t.name())
@@ -305,7 +317,7 @@ pub(crate) async fn check(
         {
             return Err(schema(
                 format!(
-                    "column \"{column}\" (last_error) is declared {declared}; it must be a text column (TEXT): it keeps the handler's error message"
+                    "column \"{column}\" ({role}) is declared {declared}; it must be a text column (TEXT): {what}"
                 ),
                 "column check",
                 sqlx::Error::TypeNotFound {

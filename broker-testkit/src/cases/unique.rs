@@ -255,7 +255,8 @@ pub async fn a_finished_row_frees_its_key<D: TestDb>(mode: ClaimMode) {
 }
 
 /// A key too long for the index, an empty key, and a key on a table without the column are
-/// refused before any statement, naming what to change.
+/// refused before any statement, naming what to change; a unique key column that is not text
+/// is refused at startup.
 pub async fn bad_unique_keys_are_refused_with_what_to_change<D: TestDb>() {
     let f = Fixture::<D>::new(ClaimMode::Lease, keyed).await;
     let q = f.queue().await;
@@ -281,6 +282,32 @@ pub async fn bad_unique_keys_are_refused_with_what_to_change<D: TestDb>() {
         .expect_err("no unique key column");
     assert!(err.to_string().contains(".unique_key("), "{err}");
     plain.cleanup().await;
+
+    // A unique key column that is not text is a schema error at startup, naming it.
+    let name = crate::unique_name("uqtype");
+    let made = broker_core::TableDescription::builder(name.as_str())
+        .payload("payload", broker_core::ColumnType::Text)
+        .column("ukey", broker_core::ColumnType::BigInt)
+        .locked_until("locked_until")
+        .build()
+        .unwrap();
+    f.broker.create_tables(&made).await.unwrap();
+    let wrong = broker_core::TableDescription::builder(name.as_str())
+        .payload("payload", broker_core::ColumnType::Text)
+        .locked_until("locked_until")
+        .unique_key("ukey")
+        .build()
+        .unwrap();
+    let err = f.broker.queue::<D::Job>(wrong).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, SqlxBrokerError::Schema { .. })
+            && msg.contains("\"ukey\"")
+            && msg.contains("unique_key")
+            && msg.to_lowercase().contains("text"),
+        "{msg}"
+    );
+    f.broker.drop_tables(&made).await.unwrap();
     f.cleanup().await;
 }
 
