@@ -230,14 +230,18 @@ async fn unique_index(
             }
             found = UniqueIndex::CoversFinishedRows(index);
         } else if let Some(rule) = generated {
-            // The generation rule must read the key and every finishing column.
+            // The generation rule must read the key and every finishing column, and give NULL
+            // otherwise (no ELSE, as the DDL helper writes it: `CASE WHEN .. THEN key END`).
             let rule = rule.to_ascii_lowercase();
             if rule.contains(&key.to_ascii_lowercase())
                 && unfinished
                     .iter()
                     .all(|c| rule.contains(&c.to_ascii_lowercase()))
             {
-                return Ok(UniqueIndex::Found);
+                if !rule.contains(" else ") {
+                    return Ok(UniqueIndex::Found);
+                }
+                found = UniqueIndex::CoversFinishedRows(index);
             }
         }
     }
