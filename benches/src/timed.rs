@@ -423,6 +423,41 @@ impl<B: Backend> Backend for Timed<B> {
         self.inner.publish(conn, table, jobs).await
     }
 
+    async fn publish_unique<'c, P>(
+        &self,
+        conn: &'c mut <B::Db as Database>::Connection,
+        table: &TableDescription,
+        job: &NewJob<P>,
+    ) -> Result<broker_core::Published>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
+    {
+        self.inner.publish_unique(conn, table, job).await
+    }
+
+    async fn register_schedule(
+        &self,
+        row: &broker_core::ScheduleRow,
+    ) -> Result<broker_core::ScheduleRow> {
+        self.inner.register_schedule(row).await
+    }
+
+    async fn record_tick(
+        &self,
+        conn: &mut <B::Db as Database>::Connection,
+        name: &str,
+        tick_ms: i64,
+        prune_before_ms: i64,
+    ) -> Result<bool> {
+        self.inner
+            .record_tick(conn, name, tick_ms, prune_before_ms)
+            .await
+    }
+
+    async fn schedules(&self) -> Result<Vec<broker_core::ScheduleRow>> {
+        self.inner.schedules().await
+    }
+
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {
         self.inner.row_state(table, id).await
     }

@@ -80,6 +80,9 @@ pub struct QueueStats {
     pub read_at_ms: i64,
     /// Whether the queue is paused, since when and by whom.
     pub paused: Option<Pause>,
+    /// The periodic schedules registered for this queue, by name (see
+    /// [`ScheduleRow::next_tick_ms`](crate::ScheduleRow::next_tick_ms) for each one's next tick).
+    pub schedules: Vec<crate::ScheduleRow>,
 }
 
 impl QueueStats {
@@ -343,6 +346,7 @@ mod tests {
             oldest_due_ms: Some(1_000),
             read_at_ms: 4_500,
             paused: None,
+            schedules: Vec::new(),
         };
         assert_eq!(s.lag(), Some(Duration::from_millis(3_500)));
         s.oldest_due_ms = None;

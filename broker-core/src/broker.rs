@@ -17,7 +17,8 @@ use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{BrokerInner, Shared};
 use crate::metrics::MetricsSnapshot;
 use crate::mode::QueueInner;
-use crate::publish::NewJob;
+use crate::publish::{NewJob, Published};
+use crate::schedule::{Schedule, ScheduleRow, Scheduled};
 use crate::subscription::{Handler, IntoOutcome, SubscribeOptions, Subscription};
 use crate::table::TableDescription;
 
@@ -185,6 +186,12 @@ impl<B: Backend> Broker<B> {
             .map_err(|e| e.for_table(table.name()))
     }
 
+    /// Every periodic schedule registered on the database (any queue, any process), by name;
+    /// [`ScheduleRow::next_tick_ms`] gives each one's next tick.
+    pub async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
+        self.inner.backend.schedules().await
+    }
+
     /// Whether [`close`](Self::close) has run.
     pub fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::SeqCst)
@@ -302,39 +309,68 @@ impl<B: Backend, T> Queue<B, T> {
             .wake(self.inner.shared.table.name());
     }
 
-    /// Publishes one row on a pool connection and wakes this process's subscriptions.
+    /// Publishes one row on a pool connection and wakes this process's subscriptions. A job
+    /// whose [unique key](NewJob::unique_key) an unfinished row has returns that row's id
+    /// (see [`publish_unique`](Self::publish_unique) to tell the two apart).
     pub async fn publish<P>(&self, job: NewJob<P>) -> Result<i64>
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
     {
-        let ids = self.publish_batch(std::slice::from_ref(&job)).await?;
-        Ok(ids.first().copied().unwrap_or_default())
+        Ok(self.publish_unique(job).await?.id)
     }
 
     /// Publishes rows on a pool connection and wakes this process's subscriptions. All or
     /// nothing: a batch the backend writes in several statements runs in one transaction, so
     /// a row that fails (a constraint, a value too long) leaves none of the batch behind and a
-    /// retry of the whole batch duplicates nothing.
+    /// retry of the whole batch duplicates nothing. Each duplicate of a unique key gives the
+    /// existing row's id.
     pub async fn publish_batch<P>(&self, jobs: &[NewJob<P>]) -> Result<Vec<i64>>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
+    {
+        Ok(ids(self.publish_unique_batch(jobs).await?))
+    }
+
+    /// Publishes one row as [`publish`](Self::publish) does, and says whether it was a
+    /// duplicate: an unfinished row had the job's [unique key](NewJob::unique_key), nothing was
+    /// inserted, and the id is that row's. Not an error: publishing a key twice is how a
+    /// caller makes sure a job exists.
+    pub async fn publish_unique<P>(&self, job: NewJob<P>) -> Result<Published>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
+    {
+        let done = self
+            .publish_unique_batch(std::slice::from_ref(&job))
+            .await?;
+        Ok(done.first().copied().unwrap_or(Published {
+            id: 0,
+            duplicate: false,
+        }))
+    }
+
+    /// Publishes rows as [`publish_batch`](Self::publish_batch) does (all or nothing, in one
+    /// transaction), saying of each whether it was a duplicate. Two jobs of one batch with one
+    /// key make one row: the second is a duplicate of the first.
+    pub async fn publish_unique_batch<P>(&self, jobs: &[NewJob<P>]) -> Result<Vec<Published>>
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
     {
         let table = &self.inner.shared.table;
         let backend = &self.inner.shared.broker.backend;
         let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
-        let ids = if jobs.len() <= 1 {
+        let done = if jobs.len() <= 1 {
             // One statement is atomic on its own; no transaction round trips for it.
             let mut conn = backend.pool().acquire().await.map_err(err)?;
-            backend.publish(&mut conn, table, jobs).await?
+            self.publish_on(&mut conn, jobs).await?
         } else {
             let mut tx = backend.pool().begin().await.map_err(err)?;
             // On error the transaction rolls back as it drops.
-            let ids = backend.publish(&mut tx, table, jobs).await?;
+            let done = self.publish_on(&mut tx, jobs).await?;
             tx.commit().await.map_err(err)?;
-            ids
+            done
         };
         self.wake();
-        Ok(ids)
+        Ok(done)
     }
 
     /// Publishes rows inside the caller's transaction (pass `&mut *tx`): they commit with the
@@ -349,13 +385,88 @@ impl<B: Backend, T> Queue<B, T> {
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
     {
-        self.inner
-            .shared
-            .broker
-            .backend
-            .publish(conn, &self.inner.shared.table, jobs)
-            .await
+        Ok(ids(self.publish_on(conn, jobs).await?))
     }
+
+    /// Publishes rows inside the caller's transaction as [`publish_in`](Self::publish_in) does,
+    /// saying of each whether it was a duplicate. A duplicate is found without a failed
+    /// statement (PostgreSQL's and SQLite's `ON CONFLICT DO NOTHING`; on MySQL and MariaDB the
+    /// duplicate-key error rolls back only its own statement), so the caller's transaction
+    /// goes on. A job whose key another open transaction has just published waits for that
+    /// transaction to end (the unique index decides), as any insert of a duplicate key does.
+    pub async fn publish_unique_in<P>(
+        &self,
+        conn: &mut <B::Db as Database>::Connection,
+        jobs: &[NewJob<P>],
+    ) -> Result<Vec<Published>>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
+    {
+        self.publish_on(conn, jobs).await
+    }
+
+    /// Publishes on `conn`: jobs without a unique key in runs through the backend's batch
+    /// insert, each keyed job through its conflict-aware insert, in the batch's order.
+    async fn publish_on<P>(
+        &self,
+        conn: &mut <B::Db as Database>::Connection,
+        jobs: &[NewJob<P>],
+    ) -> Result<Vec<Published>>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
+    {
+        let table = &self.inner.shared.table;
+        let backend = &self.inner.shared.broker.backend;
+        // Refuses bad input (a key too long, a column the table lacks) before any statement.
+        crate::publish::PublishPlan::new(table, jobs)?;
+        let fresh = |ids: Vec<i64>| {
+            ids.into_iter().map(|id| Published {
+                id,
+                duplicate: false,
+            })
+        };
+        if !jobs.iter().any(|j| j.unique_key_value().is_some()) {
+            return Ok(fresh(backend.publish(conn, table, jobs).await?).collect());
+        }
+        let mut out = Vec::with_capacity(jobs.len());
+        let mut rest = jobs;
+        while let Some(first) = rest.first() {
+            if first.unique_key_value().is_some() {
+                out.push(backend.publish_unique(conn, table, first).await?);
+                rest = &rest[1..];
+            } else {
+                let run = rest
+                    .iter()
+                    .position(|j| j.unique_key_value().is_some())
+                    .unwrap_or(rest.len());
+                out.extend(fresh(backend.publish(conn, table, &rest[..run]).await?));
+                rest = &rest[run..];
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs `schedule` in this process: at each tick it publishes `job(tick time)` to this
+    /// queue, in one transaction that records the tick, so that however many processes run the
+    /// schedule each tick publishes exactly one row (see [`Schedule`] for expressions, time
+    /// zones and missed ticks). On a table with a [unique key column](crate::TableBuilder::unique_key)
+    /// a job that sets no key gets `"{name}@{tick ms}"`. Runs until the returned handle drops
+    /// or the broker closes. The schedule tables come with [`Broker::create_tables`].
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Schedule`] when the name is registered with another expression, time
+    /// zone or table; a statement error when the schedule tables are missing.
+    pub async fn schedule<P, F>(&self, schedule: Schedule, job: F) -> Result<Scheduled>
+    where
+        P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync + 'static,
+        F: Fn(std::time::SystemTime) -> NewJob<P> + Send + Sync + 'static,
+    {
+        crate::schedule::start(self.inner.clone(), schedule, job).await
+    }
+}
+
+fn ids(done: Vec<Published>) -> Vec<i64> {
+    done.into_iter().map(|p| p.id).collect()
 }
 
 /// Operating the queue: what it holds, and changes to rows outside the claim path (see
@@ -399,6 +510,13 @@ impl<B: Backend, T> Queue<B, T> {
             oldest_due_ms: counts.oldest_due_ms,
             read_at_ms: now,
             paused,
+            schedules: self
+                .backend()
+                .schedules()
+                .await?
+                .into_iter()
+                .filter(|s| s.queue == table.name())
+                .collect(),
         })
     }
 

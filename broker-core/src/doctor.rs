@@ -284,3 +284,50 @@ mod tests {
         );
     }
 }
+
+/// What a backend found of the unique key index of a table (see [`unique_index_check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UniqueIndex {
+    /// A unique index over the key alone, limited to unfinished rows where the table has
+    /// columns that finish a row.
+    Found,
+    /// A unique index over the key that also covers finished rows: a finished row keeps its key.
+    CoversFinishedRows(String),
+    /// No unique index over the key.
+    Missing,
+}
+
+/// The doctor's check of a table's unique key index, from what the backend `found` (or why it
+/// could not read it) and the statement that makes the index; `None` for a table without a
+/// unique key column.
+pub fn unique_index_check(
+    table: &crate::TableDescription,
+    found: std::result::Result<UniqueIndex, String>,
+    fix: &str,
+) -> Option<Check> {
+    let column = table.unique_key()?;
+    const NAME: &str = "unique key index";
+    Some(match found {
+        Ok(UniqueIndex::Found) => Check::pass(
+            NAME,
+            format!("a unique index over \"{column}\" of the unfinished rows"),
+        ),
+        Ok(UniqueIndex::CoversFinishedRows(index)) => Check::fail(
+            NAME,
+            format!(
+                "index \"{index}\" covers finished rows too, so a finished row keeps its key and a new job with it is taken for a duplicate"
+            ),
+            format!("replace it with: {fix}"),
+        ),
+        Ok(UniqueIndex::Missing) => Check::fail(
+            NAME,
+            format!("no unique index over \"{column}\": jobs with one key would each insert a row"),
+            format!("create it: {fix}"),
+        ),
+        Err(e) => Check::warn(
+            NAME,
+            format!("cannot read the indexes: {e}"),
+            "check it by hand",
+        ),
+    })
+}

@@ -241,6 +241,16 @@ pub enum SqlxBrokerError {
         why: String,
     },
 
+    /// A periodic schedule is invalid (its name, cron expression or time zone), or its name is
+    /// registered with another expression, time zone or table.
+    #[error("schedule \"{schedule}\": {message}")]
+    Schedule {
+        /// The schedule's name.
+        schedule: String,
+        /// What is wrong and what to change.
+        message: String,
+    },
+
     /// The broker or subscription has shut down.
     #[error("table \"{table}\": the broker is shut down; {what} was not carried out")]
     Closed {

@@ -75,6 +75,7 @@ mod metrics;
 mod mode;
 mod payload;
 mod publish;
+mod schedule;
 mod subscription;
 mod table;
 mod warnings;
@@ -91,14 +92,18 @@ pub use error::{Result, SqlxBrokerError};
 pub use inner::SETTLE_FAILURE_LIMIT;
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
-pub use publish::{NewJob, Value};
+pub use publish::{NewJob, Published, Value};
+pub use schedule::{
+    DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, Missed, Schedule, ScheduleRow,
+    Scheduled, Tick,
+};
 pub use subscription::{
     BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerResult, Health, IntoOutcome,
     MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
-    TableBuilder, TableDescription,
+    MAX_UNIQUE_KEY_CHARS, TableBuilder, TableDescription,
 };
 
 /// The user API, in one glob: every backend crate re-exports it at its root
@@ -115,5 +120,9 @@ pub mod api {
         Payload, Queue, QueueStats, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
         ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
         TableDescription, TxGuard, Value,
+    };
+    pub use crate::{
+        DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, MAX_UNIQUE_KEY_CHARS,
+        Missed, Published, Schedule, ScheduleRow, Scheduled, Tick,
     };
 }

@@ -4,7 +4,19 @@ use std::time::SystemTime;
 
 use crate::driver::clock;
 use crate::error::{Result, SqlxBrokerError};
-use crate::table::TableDescription;
+use crate::table::{MAX_UNIQUE_KEY_CHARS, TableDescription};
+
+/// What publishing one job did: the row's id, and whether the job was a duplicate of an
+/// unfinished row with its [unique key](NewJob::unique_key), whose id this is (nothing was
+/// inserted). Returned by [`Queue::publish_unique`](crate::Queue::publish_unique) and its
+/// batch and transaction forms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Published {
+    /// The new row's id, or the existing row's for a duplicate.
+    pub id: i64,
+    /// Whether an unfinished row had the job's unique key, so nothing was inserted.
+    pub duplicate: bool,
+}
 
 /// A value for a declared column (see [`TableBuilder::column`](crate::TableBuilder::column)).
 ///
@@ -58,6 +70,7 @@ pub struct NewJob<P> {
     group: Option<String>,
     priority: Option<i64>,
     due_ms: Option<i64>,
+    unique_key: Option<String>,
     columns: Vec<(String, Value)>,
 }
 
@@ -69,8 +82,21 @@ impl<P> NewJob<P> {
             group: None,
             priority: None,
             due_ms: None,
+            unique_key: None,
             columns: Vec::new(),
         }
+    }
+    /// The unique key (the table needs a [unique key column](crate::TableBuilder::unique_key)):
+    /// while an unfinished row has this key, publishing the job again inserts nothing and
+    /// returns that row's id, marked as a [duplicate](Published::duplicate). At most
+    /// [`MAX_UNIQUE_KEY_CHARS`](crate::MAX_UNIQUE_KEY_CHARS) characters, not empty.
+    pub fn unique_key(mut self, key: impl Into<String>) -> Self {
+        self.unique_key = Some(key.into());
+        self
+    }
+    /// The unique key, if set.
+    pub fn unique_key_value(&self) -> Option<&str> {
+        self.unique_key.as_deref()
     }
     /// The group (the table needs a group column).
     pub fn group(mut self, group: impl Into<String>) -> Self {
@@ -130,6 +156,7 @@ pub struct PublishPlan {
     priority: bool,
     due: bool,
     extra: Vec<String>,
+    unique: bool,
     /// The host's clock when the plan was made: the due time of jobs that set none.
     now_ms: i64,
 }
@@ -163,6 +190,23 @@ impl PublishPlan {
                         .into(),
                 ));
             }
+            if let Some(key) = &job.unique_key {
+                if table.unique_key().is_none() {
+                    return Err(unsupported(
+                        "a job sets a unique key, but the table has no unique key column; add .unique_key(..)".into(),
+                    ));
+                }
+                let chars = key.chars().count();
+                if key.is_empty() || chars > MAX_UNIQUE_KEY_CHARS {
+                    return Err(SqlxBrokerError::Refused {
+                        table: table.name().to_owned(),
+                        what: "publishing a job",
+                        why: format!(
+                            "its unique key is {chars} characters long; a key holds 1 to {MAX_UNIQUE_KEY_CHARS} characters (the unique index keeps no more): hash a longer key (e.g. SHA-256 as hex), or leave it unset for no key"
+                        ),
+                    });
+                }
+            }
             for (c, _) in &job.columns {
                 if !table.columns().iter().any(|(d, _)| d == c) {
                     return Err(unsupported(format!(
@@ -181,12 +225,17 @@ impl PublishPlan {
             .is_some();
         let due = table.due_at().map(|d| columns.push(d.to_owned())).is_some();
         columns.extend(extra.iter().cloned());
+        let unique = table
+            .unique_key()
+            .map(|u| columns.push(u.to_owned()))
+            .is_some();
         Ok(Self {
             columns,
             group,
             priority,
             due,
             extra,
+            unique,
             now_ms: clock::now_ms(),
         })
     }
@@ -222,6 +271,9 @@ impl PublishPlan {
                 .find(|(n, _)| n == c)
                 .map(|(_, v)| v.clone());
             out.push(v.unwrap_or(Value::Null));
+        }
+        if self.unique {
+            out.push(job.unique_key.clone().into());
         }
         out
     }

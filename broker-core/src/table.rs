@@ -220,6 +220,7 @@ pub struct TableDescription {
     due_at: Option<String>,
     processed_at: Option<String>,
     last_error: Option<String>,
+    unique_key: Option<String>,
     lease_seconds: u32,
     isolation: Option<IsolationLevel>,
     max_attempts: Option<u32>,
@@ -227,6 +228,10 @@ pub struct TableDescription {
     columns: Vec<(String, ColumnType)>,
     mode: ClaimMode,
 }
+
+/// The longest unique key a job may carry, in characters: what every database's unique index
+/// holds (MySQL's key column is `VARCHAR(255)`).
+pub const MAX_UNIQUE_KEY_CHARS: usize = 255;
 
 /// The lease length when the description sets none.
 pub const DEFAULT_LEASE_SECONDS: u32 = 30;
@@ -248,6 +253,7 @@ impl TableDescription {
             due_at: None,
             processed_at: None,
             last_error: None,
+            unique_key: None,
             lease_seconds: None,
             isolation: None,
             max_attempts: None,
@@ -324,6 +330,11 @@ impl TableDescription {
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
     }
+    /// The unique key column: a text column that, while a row is unfinished, no other
+    /// unfinished row shares (see [`TableBuilder::unique_key`]).
+    pub fn unique_key(&self) -> Option<&str> {
+        self.unique_key.as_deref()
+    }
     /// The columns that stay NULL while a row is unfinished: `processed_at` and a dead-letter
     /// mark column, those the table has. A row is unfinished (claimable in time, a FIFO head
     /// candidate) while all of them are NULL; empty when an ack deletes and a dead letter moves.
@@ -376,6 +387,7 @@ impl TableDescription {
             (self.due_at.as_deref(), "due_at"),
             (self.processed_at.as_deref(), "processed_at"),
             (self.last_error.as_deref(), "last_error"),
+            (self.unique_key.as_deref(), "unique_key"),
             (
                 match &self.dead_letter {
                     Some(DeadLetter::Column(c)) => Some(c.as_str()),
@@ -450,6 +462,7 @@ pub struct TableBuilder {
     due_at: Option<String>,
     processed_at: Option<String>,
     last_error: Option<String>,
+    unique_key: Option<String>,
     lease_seconds: Option<u32>,
     isolation: Option<IsolationLevel>,
     max_attempts: Option<u32>,
@@ -520,6 +533,16 @@ impl TableBuilder {
         self.last_error = Some(column.into());
         self
     }
+    /// A text column holding each row's unique key ([`NewJob::unique_key`](crate::NewJob::unique_key)):
+    /// while a row is unfinished (not acked, not dead-lettered), no other unfinished row has
+    /// its key, and publishing one returns the existing row's id as a duplicate. The database
+    /// enforces it with a unique index over unfinished rows that the DDL helper creates and
+    /// the doctor checks; rows without a key (NULL) are never duplicates. Keys are at most
+    /// [`MAX_UNIQUE_KEY_CHARS`] characters.
+    pub fn unique_key(mut self, column: impl Into<String>) -> Self {
+        self.unique_key = Some(column.into());
+        self
+    }
     /// The lease length in whole seconds (lease mode only; default 30).
     pub fn lease_seconds(mut self, seconds: u32) -> Self {
         self.lease_seconds = Some(seconds);
@@ -563,6 +586,7 @@ impl TableBuilder {
             (self.due_at.as_ref(), "due_at"),
             (self.processed_at.as_ref(), "processed_at"),
             (self.last_error.as_ref(), "last_error"),
+            (self.unique_key.as_ref(), "unique_key"),
             (
                 match &self.dead_letter {
                     Some(DeadLetter::Column(c)) => Some(c),
@@ -674,6 +698,7 @@ impl TableBuilder {
             due_at: self.due_at,
             processed_at: self.processed_at,
             last_error: self.last_error,
+            unique_key: self.unique_key,
             lease_seconds,
             isolation: self.isolation,
             max_attempts: self.max_attempts,

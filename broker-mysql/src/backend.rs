@@ -6,9 +6,11 @@ use std::ops::{Deref, DerefMut};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, WarmConnections, connect};
+use broker_core::driver::{
+    ClaimedRow, Prepared, PublishPlan, ScheduleRow, WarmConnections, connect,
+};
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
+    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Published, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::mysql::{MySqlArguments, MySqlConnectOptions, MySqlPoolOptions, MySqlRow};
@@ -24,6 +26,20 @@ use crate::row_lock::MySqlRowLock;
 use crate::sql::{ident, micros, read_ms};
 use crate::version::{self, Flavor};
 use crate::{advisory, schema};
+
+/// How many times a keyed insert runs when each conflicting row is gone by the time it is read.
+const UNIQUE_TRIES: usize = 5;
+
+/// Whether a publish failed on the unique key index (error 1062 naming it; MySQL 8.0.19+
+/// prefixes the table: `for key 't.sqlx_broker_unique'`).
+fn is_unique_conflict(e: &SqlxBrokerError) -> bool {
+    e.sqlx_source().is_some_and(|source| {
+        crate::sql::error_number(source) == Some(1062)
+            && source
+                .to_string()
+                .contains(&format!("{}'", schema::UNIQUE_INDEX))
+    })
+}
 
 /// A broker on MySQL or MariaDB.
 pub type MySqlBroker = Broker<MySqlBackend>;
@@ -418,6 +434,92 @@ impl Backend for MySqlBackend {
             }
         }
         Ok(ids)
+    }
+
+    async fn publish_unique<'c, P>(
+        &self,
+        conn: &'c mut MySqlConnection,
+        table: &TableDescription,
+        job: &NewJob<P>,
+    ) -> Result<Published>
+    where
+        P: for<'q> sqlx::Encode<'q, MySql> + sqlx::Type<MySql> + Send + Sync,
+    {
+        let one = std::slice::from_ref(job);
+        PublishPlan::new(table, one)?;
+        let (Some(column), Some(key)) = (table.unique_key(), job.unique_key_value()) else {
+            let ids = self.publish(conn, table, one).await?;
+            let id = ids.first().copied().unwrap_or_default();
+            return Ok(Published {
+                id,
+                duplicate: false,
+            });
+        };
+        // Read through the unique index: the generated column where rows finish in place.
+        let indexed = if table.unfinished_columns().is_empty() {
+            column
+        } else {
+            schema::UNIQUE_LIVE_COLUMN
+        };
+        let existing = format!(
+            "SELECT CAST({} AS SIGNED) FROM {} WHERE {} = ? LIMIT 1",
+            ident(table.id()),
+            ident(table.name()),
+            ident(indexed),
+        );
+        // The conflicting row may finish between the two statements; then the insert runs again.
+        for _ in 0..UNIQUE_TRIES {
+            // A plain insert: a duplicate fails with 1062 on the unique index, and InnoDB rolls
+            // back that statement alone, so the caller's transaction goes on. (INSERT IGNORE
+            // would also turn a value too long for its column into a warning and a cut value.)
+            match self.publish(conn, table, one).await {
+                Ok(ids) => {
+                    let id = ids.first().copied().unwrap_or_default();
+                    return Ok(Published {
+                        id,
+                        duplicate: false,
+                    });
+                }
+                Err(e) if is_unique_conflict(&e) => {}
+                Err(e) => return Err(e),
+            }
+            let found: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(existing.clone()))
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(|e| SqlxBrokerError::statement(table.name(), "publish unique", e))?;
+            if let Some(id) = found {
+                return Ok(Published {
+                    id,
+                    duplicate: true,
+                });
+            }
+        }
+        Err(SqlxBrokerError::Invariant {
+            table: table.name().to_owned(),
+            statement: "publish unique",
+            what: format!(
+                "the key \"{key}\" conflicted {UNIQUE_TRIES} times with a row that was gone when read; at REPEATABLE READ a transaction does not see rows committed after its first read, so publish unique jobs from a READ COMMITTED one"
+            ),
+        })
+    }
+
+    async fn register_schedule(&self, row: &ScheduleRow) -> Result<ScheduleRow> {
+        crate::schedule::register(&self.pool, row).await
+    }
+
+    async fn record_tick(
+        &self,
+        conn: &mut MySqlConnection,
+        name: &str,
+        tick_ms: i64,
+        prune_before_ms: i64,
+    ) -> Result<bool> {
+        crate::schedule::record_tick(conn, name, tick_ms, prune_before_ms).await
+    }
+
+    async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
+        crate::schedule::list(&self.pool).await
     }
 
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {

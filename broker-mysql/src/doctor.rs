@@ -47,6 +47,21 @@ pub(crate) async fn checks(
     }
     out.push(clock(&mut a, table).await);
     out.extend(indexes(&mut a, table).await);
+    if table.unique_key().is_some() {
+        let found = unique_index(&mut a, table).await.map_err(|e| e.to_string());
+        let fix = match crate::schema::unique_index(table).as_slice() {
+            [index] => format!(
+                "ALTER TABLE {} ADD {index}",
+                crate::sql::ident(table.name())
+            ),
+            parts => format!(
+                "ALTER TABLE {} ADD COLUMN {}",
+                crate::sql::ident(table.name()),
+                parts.join(", ADD ")
+            ),
+        };
+        out.extend(broker_core::doctor::unique_index_check(table, found, &fix));
+    }
     let _ = a.close().await;
     let _ = b.close().await;
     out
@@ -222,4 +237,53 @@ async fn indexes(conn: &mut MySqlConnection, table: &TableDescription) -> Vec<Ch
     vec![broker_core::driver::indexes::check(
         crate::schema::index_advice(conn, table).await,
     )]
+}
+
+/// Looks for a unique index over the key column alone, or over the generated column that holds
+/// the key only while the row is unfinished.
+async fn unique_index(
+    conn: &mut sqlx::MySqlConnection,
+    table: &TableDescription,
+) -> Result<broker_core::doctor::UniqueIndex, sqlx::Error> {
+    use broker_core::doctor::UniqueIndex;
+    // Unique indexes of one column: their name and column, with the column's generation rule.
+    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT CAST(s.index_name AS CHAR), CAST(s.column_name AS CHAR), \
+         CAST(NULLIF(c.generation_expression, '') AS CHAR) \
+         FROM information_schema.statistics s JOIN information_schema.columns c \
+         ON c.table_schema = s.table_schema AND c.table_name = s.table_name AND c.column_name = s.column_name \
+         WHERE s.table_schema = DATABASE() AND s.table_name = ? AND s.non_unique = 0 \
+         AND s.index_name IN (SELECT index_name FROM information_schema.statistics \
+           WHERE table_schema = DATABASE() AND table_name = ? GROUP BY index_name HAVING COUNT(*) = 1)",
+    )
+    .bind(table.name())
+    .bind(table.name())
+    .fetch_all(&mut *conn)
+    .await?;
+    let key = table.unique_key().unwrap_or_default();
+    let unfinished = table.unfinished_columns();
+    let mut found = UniqueIndex::Missing;
+    for (index, column, generated) in rows {
+        if column.eq_ignore_ascii_case(key) {
+            if unfinished.is_empty() {
+                return Ok(UniqueIndex::Found);
+            }
+            found = UniqueIndex::CoversFinishedRows(index);
+        } else if let Some(rule) = generated {
+            // The generation rule must read the key and every finishing column, and give NULL
+            // otherwise (no ELSE, as the DDL helper writes it: `CASE WHEN .. THEN key END`).
+            let rule = rule.to_ascii_lowercase();
+            if rule.contains(&key.to_ascii_lowercase())
+                && unfinished
+                    .iter()
+                    .all(|c| rule.contains(&c.to_ascii_lowercase()))
+            {
+                if !rule.contains(" else ") {
+                    return Ok(UniqueIndex::Found);
+                }
+                found = UniqueIndex::CoversFinishedRows(index);
+            }
+        }
+    }
+    Ok(found)
 }

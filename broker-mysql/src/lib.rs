@@ -164,6 +164,7 @@ mod fifo;
 mod galera;
 mod lease;
 mod row_lock;
+mod schedule;
 mod schema;
 mod sql;
 mod version;

@@ -52,6 +52,10 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
     if let Some(e) = t.last_error() {
         cols.push(format!("{} TEXT NULL", ident(e)));
     }
+    if let Some(u) = t.unique_key() {
+        // Indexed, so it needs a bounded length (MAX_UNIQUE_KEY_CHARS).
+        cols.push(format!("{} VARCHAR(255) NULL", ident(u)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(p)));
     }
@@ -89,6 +93,7 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     if let Some(key) = key_index(t) {
         cols.push(key);
     }
+    cols.extend(unique_index(t));
     if let Some(g) = t.group() {
         let mut group = vec![ident(g)];
         group.extend(unfinished.iter().cloned());
@@ -112,7 +117,52 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     }
     // Which queues are paused, shared by every queue of the database.
     out.push(crate::admin::control_ddl());
+    out.extend(crate::schedule::ddl());
     out
+}
+
+/// The name of the unique key index the DDL helper creates.
+pub(crate) const UNIQUE_INDEX: &str = "sqlx_broker_unique";
+
+/// The generated column the unique index reads on a table whose rows finish in place: the key
+/// while the row is unfinished, NULL once it is acked (`processed_at`) or marked dead. MySQL
+/// and MariaDB have no partial indexes; NULLs never collide in a unique index, so a finished
+/// row frees its key. INVISIBLE keeps it out of `SELECT *`, so a dead letter still copies with
+/// `INSERT .. SELECT *` (invisible columns need MySQL 8.0.23 or MariaDB 10.3).
+pub(crate) const UNIQUE_LIVE_COLUMN: &str = "sqlx_broker_unique_live";
+
+/// The unique index's parts of the table definition: on a table whose rows finish in place,
+/// the generated column [`UNIQUE_LIVE_COLUMN`] and the index over it; otherwise (an ack deletes,
+/// a dead letter moves) the index over the key column itself.
+pub(crate) fn unique_index(t: &TableDescription) -> Vec<String> {
+    let Some(u) = t.unique_key() else {
+        return Vec::new();
+    };
+    let unfinished = t.unfinished_columns();
+    if unfinished.is_empty() {
+        return vec![format!(
+            "UNIQUE INDEX {} ({})",
+            ident(UNIQUE_INDEX),
+            ident(u)
+        )];
+    }
+    let cond: Vec<String> = unfinished
+        .into_iter()
+        .map(|c| format!("{} IS NULL", ident(c)))
+        .collect();
+    vec![
+        format!(
+            "{} VARCHAR(255) AS (CASE WHEN {} THEN {} END) STORED INVISIBLE",
+            ident(UNIQUE_LIVE_COLUMN),
+            cond.join(" AND "),
+            ident(u)
+        ),
+        format!(
+            "UNIQUE INDEX {} ({})",
+            ident(UNIQUE_INDEX),
+            ident(UNIQUE_LIVE_COLUMN)
+        ),
+    ]
 }
 
 /// The name of the key index the DDL helper creates on advisory tables with a key walk.
@@ -433,6 +483,17 @@ pub(crate) async fn check_table(
             "last_error",
             ty,
             "a text column (TEXT or VARCHAR): it keeps the handler's error message",
+        ));
+    }
+    if let Some(column) = t.unique_key()
+        && let Some(ty) = declared(column)
+        && !TEXT_TYPES.contains(&ty.as_str())
+    {
+        return Err(mismatch(
+            column,
+            "unique_key",
+            ty,
+            "a text column (VARCHAR(255)): it keeps each row's unique key",
         ));
     }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {

@@ -3,10 +3,10 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, connect};
+use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, ScheduleRow, connect};
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Result, RowState,
-    SqlxBrokerError, TableDescription, Value,
+    Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Published, Result,
+    RowState, SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, Row};
@@ -17,6 +17,9 @@ use crate::listener::Listener;
 use crate::row_lock::PgRowLock;
 use crate::sql::{ident, ms, on_pool, ts};
 use crate::{notify, schema, version};
+
+/// How many times a keyed insert runs when each conflicting row is gone by the time it is read.
+const UNIQUE_TRIES: usize = 5;
 
 /// A broker on PostgreSQL.
 pub type PgBroker = Broker<PgBackend>;
@@ -414,6 +417,137 @@ impl Backend for PgBackend {
             notifier.poke();
         }
         Ok(ids)
+    }
+
+    async fn publish_unique<'c, P>(
+        &self,
+        conn: &'c mut PgConnection,
+        table: &TableDescription,
+        job: &NewJob<P>,
+    ) -> Result<Published>
+    where
+        P: for<'q> sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + Sync,
+    {
+        let plan = PublishPlan::new(table, std::slice::from_ref(job))?;
+        let (Some(column), Some(key)) = (table.unique_key(), job.unique_key_value()) else {
+            let ids = self.publish(conn, table, std::slice::from_ref(job)).await?;
+            let id = ids.first().copied().unwrap_or_default();
+            return Ok(Published {
+                id,
+                duplicate: false,
+            });
+        };
+        let err = |e| SqlxBrokerError::statement(table.name(), "publish unique", e);
+        let slots = slots(table, &plan);
+        let mut values = vec!["$1".to_owned()];
+        values.extend(slots.iter().enumerate().map(|(i, slot)| slot.sql(i + 2)));
+        // No conflict target: DO NOTHING covers the partial unique index over unfinished rows,
+        // and a duplicate is a statement that inserts nothing, not an error that would abort
+        // the caller's transaction. A concurrent insert of the key waits for its transaction.
+        let insert = format!(
+            "INSERT INTO {} ({}) VALUES ({}) ON CONFLICT DO NOTHING RETURNING {}::int8",
+            ident(table.name()),
+            plan.columns()
+                .iter()
+                .map(|c| ident(c))
+                .collect::<Vec<_>>()
+                .join(", "),
+            values.join(", "),
+            ident(table.id()),
+        );
+        let unfinished: String = table
+            .unfinished_columns()
+            .into_iter()
+            .map(|c| format!(" AND {} IS NULL", ident(c)))
+            .collect();
+        // A statement of its own, so it reads the conflicting row that the insert waited for
+        // (at READ COMMITTED each statement sees what committed before it began).
+        let existing = format!(
+            "SELECT {}::int8 FROM {} WHERE {} = $1::text{unfinished} LIMIT 1",
+            ident(table.id()),
+            ident(table.name()),
+            ident(column),
+        );
+        let prepared = self.prepared();
+        let in_caller_tx = conn.is_in_transaction();
+        // Unnamed statements outside a transaction would lose their session behind a
+        // transaction-mode pooler (see `sql::on_pool`).
+        let tries = async |conn: &mut PgConnection| -> Result<Option<Published>> {
+            // The conflicting row may finish between the two statements; then the insert runs
+            // again.
+            for _ in 0..UNIQUE_TRIES {
+                let mut q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(insert.clone()))
+                    .persistent(prepared)
+                    .bind(job.payload());
+                for (value, slot) in plan.values(job).into_iter().zip(&slots) {
+                    q = match slot {
+                        Slot::Text | Slot::Declared(_) => q.bind(as_text(value)),
+                        Slot::Int | Slot::Time => q.bind(as_int(value)),
+                    };
+                }
+                if let Some(id) = q.fetch_optional(&mut *conn).await.map_err(err)? {
+                    return Ok(Some(Published {
+                        id,
+                        duplicate: false,
+                    }));
+                }
+                let found = sqlx::query_scalar::<_, i64>(AssertSqlSafe(existing.clone()))
+                    .persistent(prepared)
+                    .bind(key)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(err)?;
+                if let Some(id) = found {
+                    return Ok(Some(Published {
+                        id,
+                        duplicate: true,
+                    }));
+                }
+            }
+            Ok(None)
+        };
+        let done = if !prepared && !in_caller_tx {
+            // Unnamed statements outside a transaction would lose their session behind a
+            // transaction-mode pooler (see `sql::on_pool`).
+            let mut tx = conn.begin().await.map_err(err)?;
+            let done = tries(&mut tx).await?;
+            tx.commit().await.map_err(err)?;
+            done
+        } else {
+            tries(conn).await?
+        };
+        let done = done.ok_or_else(|| SqlxBrokerError::Invariant {
+            table: table.name().to_owned(),
+            statement: "publish unique",
+            what: format!("the key \"{key}\" conflicted {UNIQUE_TRIES} times with a row that was gone when read; at REPEATABLE READ or SERIALIZABLE a transaction does not see rows committed after it began, so publish unique jobs from a READ COMMITTED one"),
+        })?;
+        if !done.duplicate {
+            let notifier = self.notifier.table(&self.pool, table.name());
+            if in_caller_tx {
+                notifier.poke_after_window();
+            } else {
+                notifier.poke();
+            }
+        }
+        Ok(done)
+    }
+
+    async fn register_schedule(&self, row: &ScheduleRow) -> Result<ScheduleRow> {
+        crate::schedule::register(&self.pool, self.prepared(), row).await
+    }
+
+    async fn record_tick(
+        &self,
+        conn: &mut PgConnection,
+        name: &str,
+        tick_ms: i64,
+        prune_before_ms: i64,
+    ) -> Result<bool> {
+        crate::schedule::record_tick(conn, self.prepared(), name, tick_ms, prune_before_ms).await
+    }
+
+    async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
+        crate::schedule::list(&self.pool, self.prepared()).await
     }
 
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {

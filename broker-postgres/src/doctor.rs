@@ -6,7 +6,7 @@
 //! probes that could leave session state behind run on connections of their own that are closed
 //! afterwards: the doctor must work, and change nothing, behind the very poolers it looks for.
 
-use broker_core::doctor::{Check, DoctorOptions, WAIT, clock_check};
+use broker_core::doctor::{Check, DoctorOptions, UniqueIndex, WAIT, clock_check};
 use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
@@ -59,6 +59,10 @@ pub(crate) async fn checks(
     let exists = found.iter().all(|c| c.name != "table");
     out.extend(found);
     if exists {
+        if let Some(fix) = schema::unique_index(table) {
+            let found = unique_index(&mut a, table).await.map_err(|e| e.to_string());
+            out.extend(broker_core::doctor::unique_index_check(table, found, &fix));
+        }
         out.push(vacuum(&mut a, table).await);
     }
     let _ = a.close().await;
@@ -375,6 +379,36 @@ async fn vacuum(conn: &mut PgConnection, table: &TableDescription) -> Check {
         "with the server's defaults (the DDL helper's queue settings would vacuum sooner)"
     };
     Check::pass(name, format!("autovacuum on, {tuned}{dead}"))
+}
+
+/// Looks for a unique index over the key column alone, and whether it is partial.
+async fn unique_index(
+    conn: &mut PgConnection,
+    table: &TableDescription,
+) -> Result<UniqueIndex, sqlx::Error> {
+    let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
+    let sql = format!(
+        "SELECT i.relname::text, ix.indpred IS NOT NULL FROM pg_index ix \
+         JOIN pg_class i ON i.oid = ix.indexrelid \
+         JOIN pg_attribute a ON a.attrelid = ix.indrelid AND a.attnum = ix.indkey[0] \
+         WHERE ix.indrelid = to_regclass({})::oid AND ix.indisunique AND ix.indnatts = 1 \
+         AND ix.indexprs IS NULL AND a.attname = {}",
+        literal(&ident(table.name())),
+        literal(table.unique_key().unwrap_or_default()),
+    );
+    let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut found = UniqueIndex::Missing;
+    for row in rows {
+        let name: String = row.try_get(0)?;
+        let partial: bool = row.try_get(1)?;
+        if partial || table.unfinished_columns().is_empty() {
+            return Ok(UniqueIndex::Found);
+        }
+        found = UniqueIndex::CoversFinishedRows(name);
+    }
+    Ok(found)
 }
 
 /// The indexes the DDL helper creates for the claim, by name; a failed "table" check instead

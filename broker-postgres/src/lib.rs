@@ -135,6 +135,7 @@ mod lease;
 mod listener;
 mod notify;
 mod row_lock;
+mod schedule;
 mod schema;
 mod sql;
 mod version;

@@ -62,6 +62,9 @@ fn columns(t: &TableDescription, identity: bool) -> Vec<String> {
     if let Some(e) = t.last_error() {
         cols.push(format!("{} TEXT", ident(e)));
     }
+    if let Some(u) = t.unique_key() {
+        cols.push(format!("{} TEXT", ident(u)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(p)));
     }
@@ -120,6 +123,7 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     if let Some(sql) = key_index(t) {
         out.push(sql);
     }
+    out.extend(unique_index(t));
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!(
             "CREATE TABLE IF NOT EXISTS {} ({})",
@@ -129,7 +133,26 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     }
     // Which queues are paused, shared by every queue of the database.
     out.push(crate::admin::control_ddl());
+    out.extend(crate::schedule::ddl());
     out
+}
+
+/// The name of the unique key index the DDL helper creates.
+pub(crate) fn unique_index_name(t: &TableDescription) -> String {
+    index_name(t.name(), "unique")
+}
+
+/// The unique index over unfinished rows' keys (partial: a finished row, acked with
+/// `processed_at` or marked dead, frees its key; NULL keys never collide).
+pub(crate) fn unique_index(t: &TableDescription) -> Option<String> {
+    let u = t.unique_key()?;
+    Some(format!(
+        "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({}){}",
+        ident(&unique_index_name(t)),
+        ident(t.name()),
+        ident(u),
+        partial(t)
+    ))
 }
 
 /// The key index of an advisory table with a key walk: the key template's columns, the id,
@@ -495,6 +518,17 @@ pub(crate) async fn check(
             "last_error",
             declared,
             "a text column (TEXT or VARCHAR): it keeps the handler's error message",
+        ));
+    }
+    if let Some(column) = t.unique_key()
+        && let Some(declared) = types.get(column)
+        && !(declared == "text" || declared.starts_with("character varying"))
+    {
+        return Err(mismatch(
+            column,
+            "unique_key",
+            declared,
+            "a text column (TEXT or VARCHAR): it keeps each row's unique key",
         ));
     }
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {

@@ -4,9 +4,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker_core::driver::{ClaimedRow, NotOffered, Prepared, WarmConnections, connect};
+use broker_core::driver::{
+    ClaimedRow, NotOffered, Prepared, ScheduleRow, WarmConnections, connect,
+};
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Result, RowState,
+    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Published, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::pool::PoolConnection;
@@ -63,6 +65,9 @@ fn connect_error(file: Option<(&std::path::Path, bool)>, source: sqlx::Error) ->
         source,
     }
 }
+
+/// How many times a keyed insert runs when each conflicting row is gone by the time it is read.
+const UNIQUE_TRIES: usize = 5;
 
 /// A broker on SQLite.
 pub type SqliteBroker = Broker<SqliteBackend>;
@@ -324,6 +329,104 @@ impl Backend for SqliteBackend {
         // RETURNING hands rows back in no promised order; ids grow with insertion order.
         ids.sort_unstable();
         Ok(ids)
+    }
+
+    async fn publish_unique<'c, P>(
+        &self,
+        conn: &'c mut SqliteConnection,
+        table: &TableDescription,
+        job: &NewJob<P>,
+    ) -> Result<Published>
+    where
+        P: for<'q> sqlx::Encode<'q, Sqlite> + sqlx::Type<Sqlite> + Send + Sync,
+    {
+        let plan = broker_core::driver::PublishPlan::new(table, std::slice::from_ref(job))?;
+        let (Some(column), Some(key)) = (table.unique_key(), job.unique_key_value()) else {
+            let ids = self.publish(conn, table, std::slice::from_ref(job)).await?;
+            let id = ids.first().copied().unwrap_or_default();
+            return Ok(Published {
+                id,
+                duplicate: false,
+            });
+        };
+        let err = |e| SqlxBrokerError::statement(table.name(), "publish unique", e);
+        // No conflict target: DO NOTHING covers the partial unique index over unfinished rows.
+        let insert = format!(
+            "INSERT INTO {} ({}) VALUES ({}) ON CONFLICT DO NOTHING RETURNING {}",
+            ident(table.name()),
+            plan.columns()
+                .iter()
+                .map(|c| ident(c))
+                .collect::<Vec<_>>()
+                .join(", "),
+            vec!["?"; plan.width()].join(", "),
+            ident(table.id()),
+        );
+        let unfinished: String = table
+            .unfinished_columns()
+            .into_iter()
+            .map(|c| format!(" AND {} IS NULL", ident(c)))
+            .collect();
+        let existing = format!(
+            "SELECT {} FROM {} WHERE {} = ?1{unfinished}",
+            ident(table.id()),
+            ident(table.name()),
+            ident(column),
+        );
+        // The conflicting row may finish between the two statements; then the insert runs again.
+        for _ in 0..UNIQUE_TRIES {
+            let mut q = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(insert.clone()))
+                .bind(job.payload());
+            for value in plan.values(job) {
+                q = match value {
+                    Value::Null => q.bind(None::<i64>),
+                    Value::Text(s) => q.bind(s),
+                    Value::BigInt(i) => q.bind(i),
+                };
+            }
+            if let Some(id) = q.fetch_optional(&mut *conn).await.map_err(err)? {
+                return Ok(Published {
+                    id,
+                    duplicate: false,
+                });
+            }
+            let found: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(existing.clone()))
+                .bind(key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(err)?;
+            if let Some(id) = found {
+                return Ok(Published {
+                    id,
+                    duplicate: true,
+                });
+            }
+        }
+        Err(SqlxBrokerError::Invariant {
+            table: table.name().to_owned(),
+            statement: "publish unique",
+            what: format!(
+                "the key \"{key}\" conflicted {UNIQUE_TRIES} times with a row that was gone when read; check for another unique index on the table"
+            ),
+        })
+    }
+
+    async fn register_schedule(&self, row: &ScheduleRow) -> Result<ScheduleRow> {
+        crate::schedule::register(&self.pool, row).await
+    }
+
+    async fn record_tick(
+        &self,
+        conn: &mut SqliteConnection,
+        name: &str,
+        tick_ms: i64,
+        prune_before_ms: i64,
+    ) -> Result<bool> {
+        crate::schedule::record_tick(conn, name, tick_ms, prune_before_ms).await
+    }
+
+    async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
+        crate::schedule::list(&self.pool).await
     }
 
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {

@@ -2,7 +2,7 @@
 //! the journal mode and busy timeout that let workers take turns at the one writer, the scope of
 //! advisory keys, and the indexes the claim reads.
 
-use broker_core::doctor::{Check, DoctorOptions};
+use broker_core::doctor::{Check, DoctorOptions, UniqueIndex};
 use broker_core::{ClaimMode, TableDescription};
 use sqlx::{AssertSqlSafe, Row, SqlitePool};
 
@@ -86,6 +86,44 @@ pub(crate) async fn checks(
         out.push(broker_core::driver::indexes::check(
             crate::schema::index_advice(&mut conn, table).await,
         ));
+        if let Some(fix) = crate::schema::unique_index(table) {
+            let found = unique_index(&mut conn, table)
+                .await
+                .map_err(|e| e.to_string());
+            out.extend(broker_core::doctor::unique_index_check(table, found, &fix));
+        }
     }
     out
+}
+
+/// Looks for a unique index over the key column alone, and whether it is partial.
+async fn unique_index(
+    conn: &mut sqlx::SqliteConnection,
+    table: &TableDescription,
+) -> Result<UniqueIndex, sqlx::Error> {
+    let column = table.unique_key().unwrap_or_default();
+    let indexes: Vec<(i64, String, i64, String, i64)> =
+        sqlx::query_as("SELECT seq, name, \"unique\", origin, partial FROM pragma_index_list(?1)")
+            .bind(table.name())
+            .fetch_all(&mut *conn)
+            .await?;
+    let mut found = UniqueIndex::Missing;
+    for (_, name, unique, _, partial) in indexes {
+        if unique == 0 {
+            continue;
+        }
+        let cols: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_index_info(?1) ORDER BY seqno")
+                .bind(&name)
+                .fetch_all(&mut *conn)
+                .await?;
+        if cols != [column] {
+            continue;
+        }
+        if partial == 1 || table.unfinished_columns().is_empty() {
+            return Ok(UniqueIndex::Found);
+        }
+        found = UniqueIndex::CoversFinishedRows(name);
+    }
+    Ok(found)
 }

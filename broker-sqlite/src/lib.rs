@@ -68,6 +68,7 @@ mod doctor;
 mod fifo;
 mod keys;
 mod lease;
+mod schedule;
 mod schema;
 mod sql;
 mod version;
@@ -109,6 +110,9 @@ pub mod guide {
     /// `docs/fifo-and-keys.md`.
     #[doc = include_str!("../../docs/fifo-and-keys.md")]
     pub struct FifoAndKeys;
+    /// `docs/unique-and-periodic.md`.
+    #[doc = include_str!("../../docs/unique-and-periodic.md")]
+    pub struct UniqueAndPeriodic;
     /// `docs/operating.md`.
     #[doc = include_str!("../../docs/operating.md")]
     pub struct Operating;

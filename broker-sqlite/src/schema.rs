@@ -43,6 +43,9 @@ fn columns(t: &TableDescription, autoincrement: bool) -> Vec<String> {
     if let Some(e) = t.last_error() {
         cols.push(format!("{} TEXT", ident(e)));
     }
+    if let Some(u) = t.unique_key() {
+        cols.push(format!("{} TEXT", ident(u)));
+    }
     if let Some(p) = t.priority() {
         cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(p)));
     }
@@ -61,6 +64,7 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
         columns(t, true).join(", ")
     )];
     out.extend(claim_indexes(t));
+    out.extend(unique_index(t));
     if let Some(DeadLetter::Table(d)) = t.dead_letter() {
         out.push(format!(
             "CREATE TABLE IF NOT EXISTS {} ({})",
@@ -70,7 +74,26 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     }
     // Which queues are paused, shared by every queue of the database.
     out.push(crate::admin::control_ddl());
+    out.extend(crate::schedule::ddl());
     out
+}
+
+/// The name of the unique key index the DDL helper creates.
+pub(crate) fn unique_index_name(t: &TableDescription) -> String {
+    format!("{}_unique", t.name())
+}
+
+/// The unique index over unfinished rows' keys (partial: a finished row, acked with
+/// `processed_at` or marked dead, frees its key; NULL keys never collide).
+pub(crate) fn unique_index(t: &TableDescription) -> Option<String> {
+    let u = t.unique_key()?;
+    Some(format!(
+        "CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({}){}",
+        ident(&unique_index_name(t)),
+        ident(t.name()),
+        ident(u),
+        partial(t, false)
+    ))
 }
 
 /// The `WHERE` of a partial index over unfinished rows (empty when every row is unfinished),
@@ -270,7 +293,19 @@ pub(crate) async fn check(
             ));
         }
     }
-    if let Some(column) = t.last_error() {
+    for (column, role, what) in [
+        (
+            t.last_error(),
+            "last_error",
+            "it keeps the handler's error message",
+        ),
+        (
+            t.unique_key(),
+            "unique_key",
+            "it keeps each row's unique key",
+        ),
+    ] {
+        let Some(column) = column else { continue };
         let declared: Option<String> =
             sqlx::query_scalar("SELECT type FROM pragma_table_info(?1) WHERE name = ?2")
                 .bind(t.name())
@@ -283,7 +318,7 @@ pub(crate) async fn check(
         {
             return Err(schema(
                 format!(
-                    "column \"{column}\" (last_error) is declared {declared}; it must be a text column (TEXT): it keeps the handler's error message"
+                    "column \"{column}\" ({role}) is declared {declared}; it must be a text column (TEXT): {what}"
                 ),
                 "column check",
                 sqlx::Error::TypeNotFound {

@@ -156,6 +156,15 @@ pub trait TestDb: Send + Sync + 'static {
         )]
     }
 
+    /// Statements that drop the unique key index the DDL helper makes (`{table}_unique` on
+    /// PostgreSQL and SQLite), as a table made by hand may lack it.
+    fn drop_unique_index(table: &str) -> Vec<String> {
+        vec![format!(
+            "DROP INDEX {}",
+            Self::quote(&format!("{table}_unique"))
+        )]
+    }
+
     /// Whether the backend offers `mode` (asked of a broker of its own).
     fn offers(mode: ClaimMode) -> impl Future<Output = bool> + Send {
         async move {

@@ -100,6 +100,26 @@ macro_rules! conformance_suite {
             );
         }
         $crate::conformance_suite!(@server_plain $db; $server);
+        // Unique keys and periodic schedules that are about no one mode (cases/unique.rs,
+        // cases/periodic.rs).
+        mod unique_and_periodic {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                bad_unique_keys_are_refused_with_what_to_change,
+                the_doctor_fails_a_table_without_its_unique_index,
+                bad_schedules_are_refused_with_a_clear_error,
+                four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted,
+                missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once,
+            );
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled() {
+                $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(
+                    concat!(module_path!(), "::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled"),
+                )
+                .await;
+            }
+        }
     };
     (@mode $db:ty; $mode:ident; $server:ident) => {
         mod $mode {
@@ -164,6 +184,13 @@ macro_rules! conformance_suite {
             }
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
+            // Unique keys and schedules in each mode (cases/unique.rs, cases/periodic.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                a_duplicate_key_returns_the_existing_row_alone_in_a_batch_and_in_a_transaction,
+                eight_brokers_publishing_one_key_at_once_make_one_row,
+                a_finished_row_frees_its_key,
+                two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack,
+            );
         }
     };
     // Cases of one mode only: row lock's transaction, the fences of lease and advisory.

@@ -51,6 +51,13 @@ impl Out {
                 "lag_seconds": s.lag().map(|d| d.as_secs_f64()),
                 "read_at_ms": s.read_at_ms,
                 "paused": s.paused.as_ref().map(|p| json!({ "since_ms": p.since_ms, "by": p.by })),
+                "schedules": s.schedules.iter().map(|c| json!({
+                    "name": c.name,
+                    "expression": c.expression,
+                    "time_zone": c.time_zone,
+                    "last_tick_ms": c.last_tick_ms,
+                    "next_tick_ms": c.next_tick_ms(s.read_at_ms),
+                })).collect::<Vec<_>>(),
             }),
             Out::Jobs(jobs) => Value::Array(
                 jobs.iter()
@@ -158,6 +165,16 @@ fn stats(s: &QueueStats) -> String {
     .any(|c| !c.exact)
     {
         let _ = writeln!(out, "  (~ marks the planner's estimate on a large table)");
+    }
+    for sched in &s.schedules {
+        let next = sched
+            .next_tick_ms(s.read_at_ms)
+            .map_or_else(|| "none".to_owned(), utc);
+        let _ = writeln!(
+            out,
+            "  schedule   \"{}\" \"{}\" ({}), next tick {next}",
+            sched.name, sched.expression, sched.time_zone
+        );
     }
     out
 }

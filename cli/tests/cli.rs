@@ -3,7 +3,7 @@
 
 use std::process::{Command, Output};
 
-use broker_core::{Broker, ColumnType, DeadLetter, NewJob, Payload, TableDescription};
+use broker_core::{Broker, ColumnType, DeadLetter, NewJob, Payload, Schedule, TableDescription};
 
 fn table(name: &str) -> TableDescription {
     TableDescription::builder(name)
@@ -72,6 +72,13 @@ where
         .unwrap();
     let d = q.claim(1).await.unwrap().pop().unwrap();
     d.dead_letter().await.unwrap();
+    // A schedule registered for the queue, for `stats` to list with its next tick.
+    let nightly = Schedule::new(format!("{}-nightly", t.name()), "0 3 * * *").unwrap();
+    q.schedule(nightly, |_| NewJob::new("nightly".to_owned()))
+        .await
+        .unwrap()
+        .stop()
+        .await;
     ids
 }
 
@@ -83,6 +90,16 @@ fn exercise(url: &str, name: &str, ids: &[i64]) {
     assert_eq!(s["due"]["rows"], 3, "{s}");
     assert_eq!(s["dead"]["rows"], 1, "{s}");
     assert_eq!(s["paused"], serde_json::Value::Null);
+    assert_eq!(s["schedules"][0]["expression"], "0 3 * * *", "{s}");
+    assert!(s["schedules"][0]["next_tick_ms"].is_i64(), "{s}");
+    let o = cli(url, name, &["stats"]);
+    assert!(
+        stdout(&o).contains(&format!(
+            "schedule   \"{name}-nightly\" \"0 3 * * *\" (UTC), next tick "
+        )),
+        "{}",
+        stdout(&o)
+    );
 
     let o = cli(url, name, &["dead", "list"]);
     assert!(o.status.success(), "{}", stderr(&o));

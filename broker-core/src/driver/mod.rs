@@ -27,8 +27,9 @@ use crate::claim_mode::ClaimMode;
 use crate::doctor::{Check, DoctorOptions};
 use crate::error::Result;
 pub use crate::error::driver_message;
-use crate::publish::NewJob;
 pub use crate::publish::PublishPlan;
+use crate::publish::{NewJob, Published};
+pub use crate::schedule::{SCHEDULES_TABLE, ScheduleRow, TICKS_TABLE};
 use crate::table::TableDescription;
 
 /// The startup check's error for the columns a table lacks, naming every one with its role
@@ -636,6 +637,46 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     ) -> impl Future<Output = Result<Vec<i64>>> + Send
     where
         P: for<'q> sqlx::Encode<'q, Self::Db> + sqlx::Type<Self::Db> + Send + Sync;
+
+    /// Inserts one job that carries a [unique key](NewJob::unique_key) on `conn` (a pool
+    /// connection or the caller's transaction) unless an unfinished row of `table` has that key;
+    /// then it returns that row's id as a duplicate. The database decides, through the unique
+    /// index over unfinished rows that [`ddl`](Self::ddl) makes: never a read before the insert,
+    /// and never a failed statement that would abort the caller's transaction on PostgreSQL.
+    /// When the conflicting row finishes before its id is read, the insert runs again.
+    fn publish_unique<'c, P>(
+        &self,
+        conn: &'c mut <Self::Db as Database>::Connection,
+        table: &TableDescription,
+        job: &NewJob<P>,
+    ) -> impl Future<Output = Result<Published>> + Send
+    where
+        P: for<'q> sqlx::Encode<'q, Self::Db> + sqlx::Type<Self::Db> + Send + Sync;
+
+    /// Registers a schedule in [`SCHEDULES_TABLE`]: inserts `row` unless a row of its name
+    /// exists, and returns the row stored (the core compares it with `row`).
+    fn register_schedule(
+        &self,
+        row: &ScheduleRow,
+    ) -> impl Future<Output = Result<ScheduleRow>> + Send;
+
+    /// Records tick `tick_ms` of schedule `name` in [`TICKS_TABLE`] on `conn`, inside the
+    /// transaction the core opened to publish the tick's job, unless it is recorded already
+    /// (then `false`: another process published it, and the core rolls back). Recording waits
+    /// for a concurrent recorder of the same tick to finish, so exactly one transaction records
+    /// it. Also raises the schedule's `last_tick_ms` to the tick and deletes its ticks older than
+    /// `prune_before_ms`.
+    fn record_tick(
+        &self,
+        conn: &mut <Self::Db as Database>::Connection,
+        name: &str,
+        tick_ms: i64,
+        prune_before_ms: i64,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Every schedule registered in [`SCHEDULES_TABLE`], by name; empty when the table is
+    /// missing.
+    fn schedules(&self) -> impl Future<Output = Result<Vec<ScheduleRow>>> + Send;
 
     /// The row `id` now, or `None` when it is gone (acked by deletion).
     fn row_state(

@@ -438,6 +438,13 @@ impl broker_testkit::TestDb for MySql {
         )]
     }
 
+    fn drop_unique_index(table: &str) -> Vec<String> {
+        vec![format!(
+            "ALTER TABLE {} DROP INDEX sqlx_broker_unique",
+            Self::quote(table)
+        )]
+    }
+
     async fn execute(broker: &MySqlBroker, sql: &str) -> u64 {
         sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
             .execute(broker.pool())

@@ -16,9 +16,11 @@ mod hardening;
 mod head;
 mod held;
 mod lifecycle;
+mod periodic;
 mod restart;
 mod settle;
 mod stress;
+mod unique;
 
 pub use admin::*;
 pub use attempts::*;
@@ -34,9 +36,11 @@ pub use hardening::*;
 pub use head::*;
 pub use held::*;
 pub use lifecycle::*;
+pub use periodic::*;
 pub use restart::*;
 pub use settle::*;
 pub use stress::*;
+pub use unique::*;
 
 use broker_core::{Delivery, Queue};
 
