@@ -207,7 +207,10 @@ macro_rules! conformance_suite {
         );
     };
     (@server $db:ty; $mode:ident; yes) => {
-        $crate::conformance_suite!(@each $db; $mode; killed_connections_lose_nothing);
+        $crate::conformance_suite!(@each $db; $mode;
+            killed_connections_lose_nothing,
+            a_fifo_row_committed_late_with_an_earlier_id_waits_for_the_row_in_work,
+        );
         $crate::conformance_suite!(@server_only $db; $mode);
     };
     // Killed connections of one mode only.
