@@ -253,8 +253,10 @@ const BATCH: usize = 8;
 /// one batch): eight fresh deliveries and one stale one (its row was claimed again behind the
 /// broker's back) ack at once. The eight rows are acked, the stale ack is refused as a lost
 /// lease and its row does not change, and, where the backend batches, the batch acked rows.
-/// With slow deletes the first ack runs alone and the others, the stale one last, wait for the
-/// next statement together.
+/// With slow deletes the first ack runs alone and the others wait for the next statements; the
+/// engine does not promise the stale ack a place in a shared statement (it often runs alone),
+/// so [`a_stale_ack_in_a_shared_ack_statement_is_refused_alone`] checks the shared statement's
+/// per-row fence.
 pub async fn acks_that_finish_together_are_each_fenced_on_their_own_token<D: TestDb>(
     mode: ClaimMode,
 ) {
