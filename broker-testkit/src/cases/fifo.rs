@@ -456,3 +456,78 @@ pub async fn a_fifo_row_committed_late_with_an_earlier_id_waits_for_the_row_in_w
     ));
     fx.cleanup().await;
 }
+
+/// An advisory claim reads its candidates, locks a key, then takes the row in a statement of its
+/// own; the group's head can change in between. Driven through the backend's advisory
+/// strategy, so the change lands exactly there: a group's first row is dead-lettered (marked),
+/// the walk of the groups finds the second row as the head, the first row is requeued, and the
+/// take of the second row, under its own free key, must then refuse it: the first row is the
+/// group's head again. A queue claim then takes the first row.
+pub async fn an_advisory_take_rechecks_that_its_row_is_still_the_groups_head<D: TestDb>(
+    mode: ClaimMode,
+) {
+    use broker_core::Backend as _;
+    use broker_core::driver::{AdvisoryStrategy, Prepared, clock};
+
+    assert_eq!(mode, ClaimMode::Advisory, "a case of advisory mode");
+    let fx = Fixture::<D>::new(mode, |b| {
+        b.group("grp")
+            .fifo(true)
+            .dead_letter(DeadLetter::Column("dead_at".into()))
+    })
+    .await;
+    let q = fx.queue().await;
+    let ids = q
+        .publish_batch(&[fx.job(0).group("g"), fx.job(1).group("g")])
+        .await
+        .expect("publish");
+    let first = claim_one::<D>(&q).await;
+    assert_eq!(first.id(), ids[0]);
+    first.dead_letter().await.expect("dead-letter the head");
+    let table = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Advisory(adv) = fx.broker.backend().prepare(&table).await.expect("prepare")
+    else {
+        panic!("an advisory table prepares its advisory strategy")
+    };
+    let walk = adv
+        .walk_keys(None, 10, clock::now_ms())
+        .await
+        .expect("walk the groups");
+    let heads: Vec<i64> = walk.candidates.iter().map(|c| c.id).collect();
+    assert_eq!(
+        heads,
+        vec![ids[1]],
+        "the walk finds the second row as the head"
+    );
+    let key = walk.candidates[0].key.clone();
+    // The head changes between the walk and the take: the first row comes back.
+    assert_eq!(
+        q.requeue_dead(broker_core::DeadLetters::Ids(vec![ids[0]]))
+            .await
+            .expect("requeue the first row"),
+        1
+    );
+    let mut lock = adv
+        .try_lock(&key)
+        .await
+        .expect("try the key")
+        .expect("the second row's key is free");
+    let taken = adv
+        .take(&mut lock, ids[1], clock::now_ms())
+        .await
+        .expect("take");
+    adv.unlock(lock).await.expect("unlock");
+    assert!(
+        taken.is_none(),
+        "the take claimed row {} although row {} was its group's head again",
+        ids[1],
+        ids[0]
+    );
+    let next = claim_one::<D>(&q).await;
+    assert_eq!(next.id(), ids[0], "the requeued head runs first");
+    next.ack().await.expect("ack");
+    let last = claim_one::<D>(&q).await;
+    assert_eq!(last.id(), ids[1]);
+    last.ack().await.expect("ack");
+    fx.cleanup().await;
+}
