@@ -290,6 +290,14 @@ impl<B: Backend, T> Queue<B, T> {
         &self.inner.shared.warnings
     }
 
+    /// How many connections this queue's claim mode keeps out of the pool for its next
+    /// statement now (a busy subscription keeps them between statements; a stop gives them
+    /// back). For tests; not a stable interface.
+    #[doc(hidden)]
+    pub fn kept_connections(&self) -> usize {
+        self.inner.kept()
+    }
+
     /// The row `id` now, or `None` when it is gone.
     pub async fn row_state(&self, id: i64) -> Result<Option<RowState>> {
         self.inner

@@ -724,6 +724,10 @@ impl AdvisoryStrategy for MySqlAdvisory {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }
 
 #[cfg(test)]

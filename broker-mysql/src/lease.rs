@@ -464,6 +464,10 @@ impl LeaseStrategy for MySqlLease {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }
 
 /// Rolls back the claim's transaction (begun outside sqlx's bookkeeping, see `claim_on`).

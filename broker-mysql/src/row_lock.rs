@@ -256,4 +256,8 @@ impl RowLockStrategy for MySqlRowLock {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

@@ -589,4 +589,8 @@ impl AdvisoryStrategy for PgAdvisory {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

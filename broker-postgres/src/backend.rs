@@ -205,6 +205,43 @@ fn slots(table: &TableDescription, plan: &PublishPlan) -> Vec<Slot> {
         .collect()
 }
 
+/// Inside the caller's transaction, a publish to a FIFO table in lease or advisory mode holds
+/// the guard of each group it publishes to, shared, until that transaction ends. Its rows take
+/// their ids now but are seen only once it commits; meanwhile a claim could take a later row of
+/// the group, and these rows would then become the group's head while that row is still in
+/// work (two rows of one group in work, out of id order). Claims try each group's guard
+/// exclusively and skip a group whose guard they cannot take, so they leave the group alone
+/// until the rows are seen. A claim holds the guard only for its own statement in these modes,
+/// so the publish waits at most that long. Row lock is left out: its deliveries hold the guard
+/// for as long as they run, which is what keeps its groups one row at a time already, and a
+/// publish must not wait for a handler.
+async fn hold_group_guards<P>(
+    conn: &mut PgConnection,
+    table: &TableDescription,
+    jobs: &[NewJob<P>],
+    prepared: bool,
+) -> Result<(), sqlx::Error> {
+    if !table.fifo() || table.group().is_none() || table.mode() == ClaimMode::RowLock {
+        return Ok(());
+    }
+    let mut groups: Vec<&str> = jobs.iter().filter_map(NewJob::group_value).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    if groups.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock_shared(hashtextextended($1::text || g, 0)) \
+         FROM unnest($2::text[]) AS g",
+    )
+    .persistent(prepared)
+    .bind(crate::fifo::guard_prefix(table))
+    .bind(&groups)
+    .execute(&mut *conn)
+    .await
+    .map(drop)
+}
+
 async fn publish_chunk<P>(
     conn: &mut PgConnection,
     table: &TableDescription,
@@ -389,6 +426,11 @@ impl Backend for PgBackend {
         // Stay well under PostgreSQL's 65535 bound parameters per statement.
         let per_statement = (60_000 / plan.width()).clamp(1, 1000);
         let prepared = self.prepared();
+        if in_caller_tx {
+            hold_group_guards(conn, table, jobs, prepared)
+                .await
+                .map_err(err)?;
+        }
         let ids = if jobs.len() <= per_statement && (prepared || in_caller_tx) {
             publish_chunk(conn, table, &plan, &slots, channel, prepared, jobs)
                 .await

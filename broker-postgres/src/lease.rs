@@ -310,4 +310,8 @@ impl LeaseStrategy for PgLease {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

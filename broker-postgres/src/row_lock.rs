@@ -287,4 +287,8 @@ impl RowLockStrategy for PgRowLock {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

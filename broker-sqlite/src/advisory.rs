@@ -312,4 +312,8 @@ impl AdvisoryStrategy for SqliteAdvisory {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

@@ -232,4 +232,8 @@ impl LeaseStrategy for SqliteLease {
     fn release_kept(&self) {
         self.warm.release();
     }
+
+    fn kept(&self) -> usize {
+        self.warm.len()
+    }
 }

@@ -210,6 +210,7 @@ macro_rules! conformance_suite {
             a_stale_holder_cannot_renew,
             an_ack_whose_reply_was_lost_counts_as_acked,
             acks_that_finish_together_are_each_fenced_on_their_own_token,
+            a_stale_ack_in_a_shared_ack_statement_is_refused_alone,
             a_renewal_run_again_after_it_landed_keeps_the_lease,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
@@ -223,6 +224,8 @@ macro_rules! conformance_suite {
             advisory_claims_past_heads_in_work_take_only_heads,
             a_row_passed_over_for_its_held_key_is_claimed_once_the_key_is_free,
             a_held_key_with_only_scheduled_rows_counts_each_row_once,
+            keys_that_share_a_long_prefix_are_held_at_once,
+            an_advisory_take_rechecks_that_its_row_is_still_the_groups_head,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,
         );
@@ -240,7 +243,10 @@ macro_rules! conformance_suite {
         );
     };
     (@server $db:ty; $mode:ident; yes) => {
-        $crate::conformance_suite!(@each $db; $mode; killed_connections_lose_nothing);
+        $crate::conformance_suite!(@each $db; $mode;
+            killed_connections_lose_nothing,
+            a_fifo_row_committed_late_with_an_earlier_id_waits_for_the_row_in_work,
+        );
         $crate::conformance_suite!(@server_only $db; $mode);
     };
     // Killed connections of one mode only.
@@ -257,6 +263,7 @@ macro_rules! conformance_suite {
     (@server_only $db:ty; lease) => {
         $crate::conformance_suite!(@each $db; lease;
             an_ack_stuck_behind_a_row_lock_does_not_hold_up_the_others,
+            a_settlement_run_again_after_a_cut_leaves_another_claims_row_alone,
         );
     };
     (@server $db:ty; $mode:ident; no) => {};

@@ -363,6 +363,12 @@ pub trait RowLockStrategy: Send + Sync + 'static {
     /// Gives back to the pool every connection kept for the next claim (see
     /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
     fn release_kept(&self) {}
+
+    /// How many connections are kept for the next claim now (see [`WarmConnections`]), so a
+    /// test can tell that a stopped subscription gave them back. None by default.
+    fn kept(&self) -> usize {
+        0
+    }
 }
 
 /// Lease mode: an expiry in `locked_until` holds each claimed row.
@@ -425,6 +431,12 @@ pub trait LeaseStrategy: Send + Sync + 'static {
     /// Gives back to the pool every connection kept for the next statement (see
     /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
     fn release_kept(&self) {}
+
+    /// How many connections are kept for the next statement now (see [`WarmConnections`]), so
+    /// a test can tell that a stopped subscription gave them back. None by default.
+    fn kept(&self) -> usize {
+        0
+    }
 }
 
 /// Advisory mode: a key lock, on a connection of its own, holds every row with that key.
@@ -487,6 +499,12 @@ pub trait AdvisoryStrategy: Send + Sync + 'static {
     /// Gives back to the pool every connection kept for the next try-lock (see
     /// [`WarmConnections`]); the engine calls it when a subscription stops. None by default.
     fn release_kept(&self) {}
+
+    /// How many connections are kept for the next try-lock now (see [`WarmConnections`]), so a
+    /// test can tell that a stopped subscription gave them back. None by default.
+    fn kept(&self) -> usize {
+        0
+    }
 }
 
 /// The strategy type of a mode a backend does not offer: it has no values, so no code path can

@@ -281,6 +281,16 @@ impl<C: Send + 'static> WarmConnections<C> {
         drop(give_back);
     }
 
+    /// How many connections are kept now.
+    pub fn len(&self) -> usize {
+        self.lock().idle.len()
+    }
+
+    /// Whether no connection is kept now.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Gives every kept connection back to the pool (a claim failed, or a subscription stops).
     pub fn release(&self) {
         let give_back = std::mem::take(&mut self.lock().idle);

@@ -54,6 +54,11 @@ impl<B: Backend> LeaseMode<B> {
     pub(crate) fn release_kept(&self) {
         self.strategy.release_kept();
     }
+
+    /// How many connections the strategy keeps now.
+    pub(crate) fn kept(&self) -> usize {
+        self.strategy.kept()
+    }
 }
 
 /// One ack waiting for an ack statement.

@@ -100,6 +100,15 @@ impl<B: Backend> QueueInner<B> {
             Mode::Advisory(s) => crate::driver::AdvisoryStrategy::release_kept(&**s),
         }
     }
+
+    /// How many connections the mode keeps for the next claim now.
+    pub(crate) fn kept(&self) -> usize {
+        match &self.mode {
+            Mode::RowLock(s) => s.kept(),
+            Mode::Lease(s) => s.kept(),
+            Mode::Advisory(s) => crate::driver::AdvisoryStrategy::kept(&**s),
+        }
+    }
 }
 
 impl<B: Backend> Hold<B> {

@@ -162,8 +162,14 @@ pub async fn a_table_with_only_the_required_columns_works<D: TestDb>(mode: Claim
     let d = claim_one::<D>(&q).await;
     assert_eq!((d.id(), d.attempt()), (id, 1));
     d.retry().await.unwrap();
+    // A delayed retry of no delay needs no due-time column: it is a plain retry.
     let d = claim_one::<D>(&q).await;
     assert_eq!(d.attempt(), 2);
+    d.retry_after(std::time::Duration::ZERO)
+        .await
+        .expect("a retry after zero is a plain retry, without a due-time column");
+    let d = claim_one::<D>(&q).await;
+    assert_eq!(d.attempt(), 3);
     d.ack().await.unwrap();
     assert!(q.row_state(id).await.unwrap().is_none());
     broker.drop_tables(&table).await.unwrap();

@@ -147,6 +147,17 @@ pub async fn a_killed_worker_gives_its_rows_back<D: TestDb>(mode: ClaimMode, tes
     }
     child.kill().expect("SIGKILL the worker");
     let _ = child.wait();
+    // What the killed deliveries spent, as the rows hold it (the column starts at 1): row lock
+    // nothing (its transactions roll back, and the count was never committed on its own),
+    // lease and advisory one attempt each (their claims commit the count).
+    let stored = 1 + i64::from(mode != ClaimMode::RowLock);
+    for id in &ids {
+        let state = q.row_state(*id).await.unwrap().expect("the row is queued");
+        assert_eq!(
+            state.attempt, stored,
+            "row {id}: the stored attempt after the worker was killed mid-handler ({mode})"
+        );
+    }
     // Measured for the report only; the checks below compare states, not durations.
     let killed_at = Instant::now();
 

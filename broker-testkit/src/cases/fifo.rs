@@ -398,3 +398,136 @@ pub async fn advisory_claims_past_heads_in_work_take_only_heads<D: TestDb>(mode:
     assert_eq!(done, all, "every row once");
     fx.cleanup().await;
 }
+
+/// A FIFO row published inside a transaction that commits late gets its id before a row of its
+/// group published and committed meanwhile. The late row becomes the group's head once it
+/// commits, so the group's head changes under the claims: while any row of the group is in
+/// work, no claim may take another, before or after the commit. A claim runs while the
+/// transaction is open (on MySQL/MariaDB it waits for the unseen row; on PostgreSQL a lease
+/// or advisory claim skips the group, whose guard the publish holds; a row lock claim takes the
+/// committed row), the transaction commits, and a second claim must find nothing while the
+/// first delivery is in work. Then the rows run one at a time to the end. Only for databases
+/// with server connections (SQLite has one writer: the open transaction holds every claim).
+pub async fn a_fifo_row_committed_late_with_an_earlier_id_waits_for_the_row_in_work<D: TestDb>(
+    mode: ClaimMode,
+) {
+    let fx = Fixture::<D>::new(mode, |b| b.group("grp").fifo(true)).await;
+    let q = fx.queue().await;
+    let mut tx = fx.broker.pool().begin().await.expect("begin");
+    let early = q
+        .publish_in(&mut *tx, &[fx.job(0).group("g")])
+        .await
+        .expect("publish in the transaction")[0];
+    let later = q.publish(fx.job(1).group("g")).await.expect("publish");
+    assert!(
+        early < later,
+        "ids {early} and {later} are in publish order"
+    );
+    let claiming = q.clone();
+    let first = tokio::spawn(async move {
+        claim_within(
+            &claiming,
+            Duration::from_secs(30),
+            "a row of the group once the late row commits",
+        )
+        .await
+    });
+    // The claim runs while the transaction is open (it waits, skips or takes the later row).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tx.commit().await.expect("commit the late row");
+    let first = first.await.expect("the claim task");
+    let second = q.claim(1).await.expect("claim");
+    assert!(
+        second.is_empty(),
+        "row {} of the group was claimed while row {} of it was in work (late row {early}, later row {later})",
+        second[0].id(),
+        first.id()
+    );
+    let order = [first.id(), {
+        first.ack().await.expect("ack the first row");
+        let next = claim_one::<D>(&q).await;
+        let id = next.id();
+        next.ack().await.expect("ack the second row");
+        id
+    }];
+    crate::report(&format!(
+        "{mode} on {}: a FIFO row committed late ({early}) and a later row of its group ({later}) ran one at a time, in the order {order:?}",
+        broker_core::Backend::capabilities(fx.broker.backend()).database,
+    ));
+    fx.cleanup().await;
+}
+
+/// An advisory claim reads its candidates, locks a key, then takes the row in a statement of its
+/// own; the group's head can change in between. Driven through the backend's advisory
+/// strategy, so the change lands exactly there: a group's first row is dead-lettered (marked),
+/// the walk of the groups finds the second row as the head, the first row is requeued, and the
+/// take of the second row, under its own free key, must then refuse it: the first row is the
+/// group's head again. A queue claim then takes the first row.
+pub async fn an_advisory_take_rechecks_that_its_row_is_still_the_groups_head<D: TestDb>(
+    mode: ClaimMode,
+) {
+    use broker_core::Backend as _;
+    use broker_core::driver::{AdvisoryStrategy, Prepared, clock};
+
+    assert_eq!(mode, ClaimMode::Advisory, "a case of advisory mode");
+    let fx = Fixture::<D>::new(mode, |b| {
+        b.group("grp")
+            .fifo(true)
+            .dead_letter(DeadLetter::Column("dead_at".into()))
+    })
+    .await;
+    let q = fx.queue().await;
+    let ids = q
+        .publish_batch(&[fx.job(0).group("g"), fx.job(1).group("g")])
+        .await
+        .expect("publish");
+    let first = claim_one::<D>(&q).await;
+    assert_eq!(first.id(), ids[0]);
+    first.dead_letter().await.expect("dead-letter the head");
+    let table = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Advisory(adv) = fx.broker.backend().prepare(&table).await.expect("prepare")
+    else {
+        panic!("an advisory table prepares its advisory strategy")
+    };
+    let walk = adv
+        .walk_keys(None, 10, clock::now_ms())
+        .await
+        .expect("walk the groups");
+    let heads: Vec<i64> = walk.candidates.iter().map(|c| c.id).collect();
+    assert_eq!(
+        heads,
+        vec![ids[1]],
+        "the walk finds the second row as the head"
+    );
+    let key = walk.candidates[0].key.clone();
+    // The head changes between the walk and the take: the first row comes back.
+    assert_eq!(
+        q.requeue_dead(broker_core::DeadLetters::Ids(vec![ids[0]]))
+            .await
+            .expect("requeue the first row"),
+        1
+    );
+    let mut lock = adv
+        .try_lock(&key)
+        .await
+        .expect("try the key")
+        .expect("the second row's key is free");
+    let taken = adv
+        .take(&mut lock, ids[1], clock::now_ms())
+        .await
+        .expect("take");
+    adv.unlock(lock).await.expect("unlock");
+    assert!(
+        taken.is_none(),
+        "the take claimed row {} although row {} was its group's head again",
+        ids[1],
+        ids[0]
+    );
+    let next = claim_one::<D>(&q).await;
+    assert_eq!(next.id(), ids[0], "the requeued head runs first");
+    next.ack().await.expect("ack");
+    let last = claim_one::<D>(&q).await;
+    assert_eq!(last.id(), ids[1]);
+    last.ack().await.expect("ack");
+    fx.cleanup().await;
+}

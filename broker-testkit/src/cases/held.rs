@@ -144,3 +144,56 @@ pub async fn a_killed_key_connection_frees_the_key_and_the_stale_delivery_cannot
     assert!(q.row_state(id).await.unwrap().is_none());
     fx.cleanup().await;
 }
+
+/// Two keys that share their first hundred characters (longer than MySQL's 64-character lock
+/// names) and differ after them are two keys: a row of each is held at once, by two brokers,
+/// and each key is reported held. A backend that cut long lock names short, instead of hashing
+/// them whole, would lock both rows under one name and keep the second out.
+pub async fn keys_that_share_a_long_prefix_are_held_at_once<D: TestDb>(mode: ClaimMode) {
+    use crate::claim_within;
+    assert_eq!(mode, ClaimMode::Advisory, "a case of advisory mode");
+    let mut fx = Fixture::<D>::new(mode, |b| b).await;
+    let q = fx.queue().await;
+    let other = fx.other_queue().await;
+    let prefix = "p".repeat(100);
+    let keys = [format!("{prefix}-one"), format!("{prefix}-two")];
+    let jobs: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            broker_core::NewJob::new(D::Text::from(format!("job-{i}"))).column("k", k.clone())
+        })
+        .collect();
+    let ids = q.publish_batch(&jobs).await.expect("publish");
+    let first = claim_one::<D>(&q).await;
+    assert_eq!(first.id(), ids[0]);
+    let second = claim_within(
+        &other,
+        Duration::from_secs(10),
+        "the row of the second key while the first key, which shares its first 100 characters, is held",
+    )
+    .await;
+    assert_eq!(second.id(), ids[1]);
+    for k in &keys {
+        let key = format!("key-{k}");
+        assert!(
+            D::key_is_held(&fx.broker, &key).await,
+            "{key} is held while both rows are in work"
+        );
+    }
+    first.ack().await.expect("ack the first row");
+    second.ack().await.expect("ack the second row");
+    for k in &keys {
+        let key = format!("key-{k}");
+        wait_until(
+            &format!("{key} to be free"),
+            Duration::from_secs(10),
+            || {
+                let (broker, key) = (&fx.broker, key.clone());
+                async move { !D::key_is_held(broker, &key).await }
+            },
+        )
+        .await;
+    }
+    fx.cleanup().await;
+}

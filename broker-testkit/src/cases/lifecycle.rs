@@ -107,14 +107,19 @@ pub async fn shutdown_leaves_no_row_claimed_and_no_key_held<D: TestDb>(mode: Cla
     fx.cleanup().await;
 }
 
-/// A subscription stopped while its table is busy gives back at once every connection it kept
-/// for its next statement (strategies keep them between statements, and a clean-up task gives
-/// back those unused for a quarter second): within 150 ms of the shutdown's return the pool has
-/// as many connections out as before the subscription started. The leak checks of
-/// other cases wait longer than the clean-up, so they do not see a stop that leaves this to it.
+/// A subscription stopped while its table is busy gives back every connection it kept for its
+/// next statement as it stops (strategies keep them between statements, and a clean-up task
+/// gives back those unused for a quarter second). Checked against events, not a clock: the
+/// subscription runs until it has handled 100 rows and its mode keeps a connection; when its
+/// shutdown returns, the mode keeps none (the stop gave them back, not the clean-up, which
+/// cannot have run for the connections the last settlements kept just before); and the pool
+/// then gets back to as many connections out as before the subscription started (they go back
+/// in tasks of their own, so that wait is bounded generously).
 pub async fn a_stopped_subscription_gives_its_kept_connections_back_at_once<D: TestDb>(
     mode: ClaimMode,
 ) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let ids = fx.publish(&q, 2_000).await;
@@ -125,27 +130,47 @@ pub async fn a_stopped_subscription_gives_its_kept_connections_back_at_once<D: T
         before = before.min(super::settle::pool_in_use(&fx.broker));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    super::settle::stop_after_runs::<D>(&q, Duration::from_millis(1), 100).await;
-    let stopped = std::time::Instant::now();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let sub = {
+        let ran = ran.clone();
+        q.subscribe(SubscribeOptions::new().concurrency(4), move |_job| {
+            let ran = ran.clone();
+            async move {
+                ran.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                Outcome::Ack
+            }
+        })
+        .expect("subscribe")
+    };
+    wait_until(
+        "100 rows handled while the mode keeps a connection for its next statement",
+        Duration::from_secs(60),
+        || {
+            let (ran, q) = (ran.clone(), q.clone());
+            async move { ran.load(Ordering::SeqCst) >= 100 && q.kept_connections() > 0 }
+        },
+    )
+    .await;
+    sub.shutdown().await;
+    let kept = q.kept_connections();
+    assert_eq!(
+        kept, 0,
+        "{kept} connections still kept for the next statement when the shutdown returned"
+    );
     assert!(
         q.row_state(ids[ids.len() - 1]).await.unwrap().is_some(),
         "the table was still busy when the subscription stopped"
     );
-    // A connection goes back to the pool in a task of its own, after a test round trip, which
-    // a loaded machine may delay: poll for 150 ms. The clean-up task gives back a connection a
-    // quarter second after it was kept at the earliest, and the last settlements before the
-    // stop keep theirs within a few milliseconds of its return, so without the stop's release
-    // they are still out when the poll ends.
-    let mut out = super::settle::pool_in_use(&fx.broker);
-    while out > before && stopped.elapsed() < Duration::from_millis(150) {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        out = super::settle::pool_in_use(&fx.broker);
-    }
-    assert!(
-        out <= before,
-        "{out} connections out of the pool {:?} after the stop, {before} before the subscription",
-        stopped.elapsed()
-    );
+    wait_until(
+        &format!("the pool to have {before} connections out, as before the subscription"),
+        Duration::from_secs(10),
+        || {
+            let broker = &fx.broker;
+            async move { super::settle::pool_in_use(broker) <= before }
+        },
+    )
+    .await;
     fx.cleanup().await;
 }
 

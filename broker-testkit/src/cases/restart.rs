@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use broker_core::{Backend, ClaimMode};
+use broker_core::{Backend, ClaimMode, SqlxBrokerError};
 
 use crate::{Fixture, Runs, TestDb, report, subscribe_counting, wait_until, wait_until_rows_gone};
 
@@ -154,5 +154,106 @@ pub async fn drain_across_a_server_restart<D: TestDb>(mode: ClaimMode, restart: 
         m.claim_errors,
         m.settle_failed,
     ));
+    fx.cleanup().await;
+}
+
+/// A lease settlement whose first try a killed connection cut runs again on a fresh connection;
+/// when another claim took the row between the cut try and the rerun, the rerun must be refused
+/// by the fence (`LeaseLost`) and leave that claim's row alone. Two deliveries, one acking and
+/// one retrying, send their settlements while a transaction of another broker holds their rows
+/// (it has written what another claim writes: the attempt counted again). Their statements
+/// wait; the case kills every connection of the settling broker, which cuts both tries, lets
+/// the reruns start on fresh connections, and commits the other claim: each rerun then finds a
+/// row that holds another token. Only for databases with server connections.
+pub async fn a_settlement_run_again_after_a_cut_leaves_another_claims_row_alone<D: TestDb>(
+    mode: ClaimMode,
+) {
+    assert_eq!(mode, ClaimMode::Lease, "a case of lease mode");
+    let fx = Fixture::<D>::new(mode, |b| b.lease_seconds(60)).await;
+    let database = fx.broker.backend().capabilities().database;
+    let settling = D::connect(&fx.url).await;
+    let q = settling
+        .queue::<D::Job>(fx.table.clone())
+        .await
+        .expect("the settling broker's queue");
+    let ids = fx.publish(&q, 2).await;
+    let acking = crate::claim_one(&q).await;
+    let retrying = crate::claim_one(&q).await;
+    assert_eq!((acking.id(), retrying.id()), (ids[0], ids[1]));
+    // The other claim, not committed yet: it holds both rows' locks until it commits.
+    let sql = format!(
+        "UPDATE {t} SET {a} = {a} + 1 WHERE {id} IN ({}, {})",
+        ids[0],
+        ids[1],
+        t = D::quote(fx.table.name()),
+        a = D::quote(fx.table.attempt()),
+        id = D::quote(fx.table.id()),
+    );
+    let other_claim = D::hold_row_lock(&fx.broker, &sql)
+        .await
+        .expect("a server database has row locks");
+    let ack = tokio::spawn(async move { acking.ack().await });
+    let retry = tokio::spawn(async move { retrying.retry().await });
+    // Both statements are on the wire, waiting for the other claim's locks.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !ack.is_finished() && !retry.is_finished(),
+        "the settlements wait for the rows' locks"
+    );
+    let killed = D::kill_connections(&settling)
+        .await
+        .expect("this case runs only where there are server connections to kill");
+    assert!(killed >= 2, "the kill cut the two settlements: {killed}");
+    // The reruns start after a pause of 50 ms and wait for the locks again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !ack.is_finished() && !retry.is_finished(),
+        "the settlements run again after the cut, and wait for the rows' locks"
+    );
+    let before: Vec<_> = {
+        // What the other claim wrote, read before it commits: the rows as they were, plus one
+        // attempt.
+        let mut rows = Vec::new();
+        for id in &ids {
+            let mut state = q.row_state(*id).await.unwrap().expect("the row is there");
+            state.attempt += 1;
+            rows.push(state);
+        }
+        rows
+    };
+    let other_claim = other_claim
+        .downcast::<sqlx::Transaction<'static, crate::DbOf<D>>>()
+        .expect("the held lock is a transaction of the backend's database");
+    other_claim.commit().await.expect("the other claim commits");
+    let ack = tokio::time::timeout(Duration::from_secs(30), ack)
+        .await
+        .expect("the rerun ack ends once the other claim commits")
+        .expect("the ack task");
+    let retry = tokio::time::timeout(Duration::from_secs(30), retry)
+        .await
+        .expect("the rerun retry ends once the other claim commits")
+        .expect("the retry task");
+    for (what, id, result) in [("ack", ids[0], ack), ("retry", ids[1], retry)] {
+        let err = result.expect_err(&format!(
+            "the {what} run again after the cut settled the row another claim holds"
+        ));
+        assert!(
+            matches!(err, SqlxBrokerError::LeaseLost { id: lost, .. } if lost == id),
+            "the rerun {what}: {err:?}"
+        );
+    }
+    for (id, expected) in ids.iter().zip(&before) {
+        assert_eq!(
+            q.row_state(*id).await.unwrap().as_ref(),
+            Some(expected),
+            "row {id} must stay as the other claim left it"
+        );
+    }
+    let m = q.metrics();
+    assert_eq!((m.lease_lost, m.acked, m.retried), (2, 0, 0), "{m:?}");
+    report(&format!(
+        "{database} lease settlements cut by a kill ({killed} connections) and run again after another claim took their rows: both refused, the rows left alone"
+    ));
+    settling.close().await;
     fx.cleanup().await;
 }
