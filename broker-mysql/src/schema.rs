@@ -552,7 +552,11 @@ mod tests {
             .build()
             .unwrap();
         let ddl = ddl(&t);
-        assert_eq!(ddl.len(), 5, "queue, dead letters, control, schedules, ticks");
+        assert_eq!(
+            ddl.len(),
+            5,
+            "queue, dead letters, control, schedules, ticks"
+        );
         assert!(ddl[2].contains("sqlx_broker_control"), "{}", ddl[2]);
         let queue = &ddl[0];
         assert!(
