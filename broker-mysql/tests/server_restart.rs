@@ -35,11 +35,19 @@ fn server_is_up() -> bool {
 /// `SQLX_BROKER_MYSQL_RESTART` (default: `mariadb-admin shutdown`, a wait until the old process
 /// has exited, since the shutdown returns before it has, then `/usr/sbin/mariadbd` started again
 /// in the background, as `.ci/run` starts it), and returns once it answers again.
+///
+/// The default goes by the server's own pid file, not the process name: the Galera nodes that
+/// `.ci/galera.sh` starts are `mariadbd` processes too, and a wait for "no mariadbd" (or a
+/// `start-stop-daemon` matched on the executable alone) would wait for them, or find them and
+/// start nothing.
 fn restart_server() -> Duration {
     let command = std::env::var("SQLX_BROKER_MYSQL_RESTART").unwrap_or_else(|_| {
-        "mariadb-admin -h 127.0.0.1 -P 3306 -u root shutdown && \
-         while pgrep -x mariadbd >/dev/null; do sleep 0.1; done && \
-         start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd"
+        "pidfile=$(mariadb -h 127.0.0.1 -P 3306 -u root -N -B -e 'SELECT @@pid_file') && \
+         pid=$(cat \"$pidfile\") && \
+         mariadb-admin -h 127.0.0.1 -P 3306 -u root shutdown && \
+         while kill -0 \"$pid\" 2>/dev/null; do sleep 0.1; done && \
+         start-stop-daemon --start --oknodo --background --pidfile \"$pidfile\" \
+           --exec /usr/sbin/mariadbd"
             .to_owned()
     });
     let started = Instant::now();
