@@ -1,20 +1,19 @@
 //! A PostgreSQL primary with a synchronous standby (`.ci/pgfailover.sh`: ports 5440 and 5441,
 //! folders under `SQLX_BROKER_PGFAILOVER_DIR`, default `/tmp/sqlx-broker-pgfailover`): brokers
-//! given both hosts drain a lease table while the primary is killed (SIGKILL) and the standby
-//! promoted; the history checker judges the run. The test starts the pair afresh with the
-//! script (it promotes the standby, so every run needs a new pair) and fails if it cannot.
+//! given both hosts drain a table while the primary goes down (killed with SIGKILL, or stopped
+//! cleanly with `pg_ctl stop -m fast`) and the standby is promoted; the history checker judges
+//! the run. One run per claim mode, one after the other in one test (each starts the pair afresh
+//! with the script, since the last one promoted the standby, and fails if it cannot).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use broker_core::{
-    BoxError, ClaimMode, ColumnType, NewJob, Outcome, SubscribeOptions, TableDescription,
-};
+use broker_core::{BoxError, ClaimMode, NewJob, Outcome, SubscribeOptions};
 use broker_postgres::PgBackend;
 use broker_testkit::history::{Expect, Final, History, Recorded};
-use broker_testkit::{Job, JobText, unique_name};
+use broker_testkit::{Job, JobText, describe, unique_name};
 
 const PRIMARY: &str = "postgres://postgres@127.0.0.1:5440/test";
 const STANDBY: &str = "postgres://postgres@127.0.0.1:5441/test";
@@ -47,21 +46,71 @@ fn postmaster_pid(node: &str) -> String {
         .to_owned()
 }
 
-const ROWS: usize = 4_000;
+const ROWS: usize = 3_000;
 const BROKERS: usize = 2;
+
+/// How the primary goes down.
+#[derive(Debug, Clone, Copy)]
+enum Down {
+    /// SIGKILL to the postmaster: connections cut, nothing said to the clients.
+    Kill,
+    /// `pg_ctl stop -m fast`: sessions are terminated with an error, then the server stops.
+    CleanStop,
+}
+
+fn pg_ctl() -> String {
+    format!(
+        "/usr/lib/postgresql/{}/bin/pg_ctl",
+        std::fs::read_dir("/etc/postgresql")
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+    )
+}
+
+fn take_primary_down(down: Down) {
+    let status = match down {
+        Down::Kill => std::process::Command::new("kill")
+            .args(["-9", &postmaster_pid("primary")])
+            .status(),
+        Down::CleanStop => std::process::Command::new("runuser")
+            .args(["-u", "postgres", "--", &pg_ctl()])
+            .args([
+                "-D",
+                &format!("{}/primary", dir()),
+                "-m",
+                "fast",
+                "-w",
+                "stop",
+            ])
+            .status(),
+    }
+    .expect("take the primary down");
+    assert!(status.success(), "take the primary down ({down:?})");
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
+    // Lease with the primary killed, as a crash does; row lock with a clean stop (its
+    // transactions are ended by the server, so each row in work must roll back and come back);
+    // advisory killed (the keys' sessions die with the server).
+    drain_through_failover(ClaimMode::Lease, Down::Kill).await;
+    drain_through_failover(ClaimMode::RowLock, Down::CleanStop).await;
+    drain_through_failover(ClaimMode::Advisory, Down::Kill).await;
+}
+
+async fn drain_through_failover(mode: ClaimMode, down: Down) {
     tokio::task::spawn_blocking(start_pair).await.unwrap();
     let urls = [PRIMARY, STANDBY];
     let name = unique_name("failover");
-    let table = TableDescription::builder(&name)
-        .payload("payload", ColumnType::Text)
-        .due_at("due_at")
-        .locked_until("locked_until")
-        .lease_seconds(2)
-        .build()
-        .unwrap();
+    let mut builder = describe(&name, mode);
+    if mode == ClaimMode::Lease {
+        builder = builder.lease_seconds(2);
+    }
+    let table = builder.build().unwrap();
     let first = PgBackend::connect_primary(&urls, 4).await.unwrap();
     first.create_tables(&table).await.unwrap();
     let queue = first.queue::<Job>(table.clone()).await.unwrap();
@@ -69,7 +118,14 @@ async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
     for chunk in (0..ROWS).collect::<Vec<_>>().chunks(500) {
         let jobs: Vec<_> = chunk
             .iter()
-            .map(|i| NewJob::new(format!("job-{i}")))
+            .map(|i| {
+                let job = NewJob::new(format!("job-{i}"));
+                if mode == ClaimMode::Advisory {
+                    job.column("k", format!("k{i}"))
+                } else {
+                    job
+                }
+            })
             .collect();
         ids.extend(queue.publish_batch(&jobs).await.unwrap());
     }
@@ -94,7 +150,7 @@ async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
                             index,
                             job.id(),
                             job.attempt(),
-                            None,
+                            job.key().map(str::to_owned),
                             None,
                             job.lease_expires_ms(),
                         );
@@ -113,50 +169,38 @@ async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
         assert!(started.elapsed() < limit, "no progress before the failover");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The primary dies; the standby is promoted two seconds later.
+    // The primary goes down; the standby is promoted two seconds later.
     let from = history.now();
-    let killed = std::process::Command::new("kill")
-        .args(["-9", &postmaster_pid("primary")])
-        .status()
-        .expect("kill the primary");
-    assert!(killed.success());
-    let down = Instant::now();
+    let down_at = Instant::now();
+    tokio::task::spawn_blocking(move || take_primary_down(down))
+        .await
+        .unwrap();
     let before = history.records().len();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(2).saturating_sub(down_at.elapsed())).await;
     let unhealthy: Vec<bool> = brokers
         .iter()
         .map(|(_, _, s)| !s.health().is_healthy())
         .collect();
     let promoted = std::process::Command::new("runuser")
-        .args(["-u", "postgres", "--"])
-        .arg(format!(
-            "/usr/lib/postgresql/{}/bin/pg_ctl",
-            std::fs::read_dir("/etc/postgresql")
-                .unwrap()
-                .next()
-                .unwrap()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-        ))
+        .args(["-u", "postgres", "--", &pg_ctl()])
         .args(["-D", &format!("{}/standby", dir()), "-w", "promote"])
         .status()
         .expect("promote the standby");
     assert!(promoted.success(), "promote the standby");
     let promoted_at = history.now();
     // Claims resume: a claim that returned after the promotion starts a handler (rows fetched
-    // ahead before the kill do not count).
+    // ahead before the primary went down do not count).
     let resumed = loop {
         let records = history.records();
         if records[before..]
             .iter()
             .any(|r| r.claim.is_some_and(|c| c.returned > promoted_at))
         {
-            break down.elapsed();
+            break down_at.elapsed();
         }
         assert!(
-            down.elapsed() < Duration::from_secs(60),
-            "no claim resumed within 60 s of the primary's death"
+            down_at.elapsed() < Duration::from_secs(60),
+            "{mode:?}: no claim resumed within 60 s of the primary going down ({down:?})"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -175,14 +219,17 @@ async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
         }
         assert!(
             started.elapsed() < limit,
-            "gave up after {limit:?}: {} of {ROWS} rows finished ({left:?} left)",
+            "{mode:?}: gave up after {limit:?}: {} of {ROWS} rows finished ({left:?} left)",
             history.finished_rows(None)
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut per_broker = Vec::new();
+    let mut shutdowns = Vec::new();
     for (broker, q, sub) in brokers {
+        let stopping = Instant::now();
         let report = sub.shutdown().await;
+        shutdowns.push(format!("{:.2}s", stopping.elapsed().as_secs_f64()));
         let m = q.metrics();
         per_broker.push(format!(
             "claimed {}, acked {}, lease lost {}, settle failed {}, claim errors {}, gone {}; {report:?}",
@@ -203,17 +250,20 @@ async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
         );
     }
     let expect = Expect {
-        mode: ClaimMode::Lease,
+        mode,
         fifo: false,
         max_attempts: table.max_attempts(),
         finals,
     };
     let figures = history.check(&expect).unwrap_or_else(|problems| {
-        panic!("the history check failed:\n{problems}\nper broker: {per_broker:?}")
+        panic!("{mode:?}: the history check failed:\n{problems}\nper broker: {per_broker:?}")
     });
-    assert_eq!(figures.acked, ROWS, "every row acked once the run ends");
+    assert_eq!(
+        figures.acked, ROWS,
+        "{mode:?}: every row acked once the run ends"
+    );
     broker_testkit::report(&format!(
-        "postgres failover (lease): {} rows, {} deliveries; primary killed, standby promoted 2 s later; claims resumed {:.1}s after the kill; unhealthy at 2 s: {unhealthy:?}; per broker: {}",
+        "postgres failover ({mode:?}, primary {down:?}): {} rows, {} deliveries; standby promoted 2 s after; claims resumed {:.1}s after the primary went down; unhealthy at 2 s: {unhealthy:?}; shutdowns took {shutdowns:?}; per broker: {}",
         figures.rows,
         figures.deliveries,
         resumed.as_secs_f64(),
