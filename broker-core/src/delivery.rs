@@ -279,6 +279,19 @@ where
                 claim_us,
                 "claimed"
             );
+            crate::events::emit(|| {
+                let returned = std::time::SystemTime::now();
+                crate::events::EngineEvent::Claimed {
+                    table: queue.shared.name(),
+                    subscription: subscription.unwrap_or(""),
+                    id: d.id,
+                    attempt: d.attempt,
+                    began: returned
+                        .checked_sub(std::time::Duration::from_micros(claim_us))
+                        .unwrap_or(returned),
+                    returned,
+                }
+            });
             out.push(d);
         }
     }
@@ -671,6 +684,12 @@ impl<B: Backend, T> Delivery<B, T> {
             ?action,
             "settled"
         );
+        crate::events::emit(|| crate::events::EngineEvent::Settled {
+            table: table.name(),
+            id: self.id,
+            attempt: self.attempt,
+            at: std::time::SystemTime::now(),
+        });
         Ok(())
     }
 }

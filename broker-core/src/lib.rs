@@ -69,6 +69,8 @@ mod delivery;
 pub mod doctor;
 pub mod driver;
 mod error;
+#[doc(hidden)]
+pub mod events;
 mod head;
 mod inner;
 mod metrics;

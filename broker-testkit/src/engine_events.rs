@@ -1,21 +1,18 @@
-//! What the engine reports through `tracing`, kept for the fault injectors: the core emits a
-//! `settled` debug event once a settlement has committed, and a `claimed` one for each delivery
-//! a claim returns (with how long the claim took). A process-wide tracing subscriber keeps
-//! those events, so a fault injector can tell, per delivery, whether its settlement was through
-//! when it struck (the history checker marks only those that were not), and whether the fault
-//! came while the claim that delivered it was in flight. A child process prints its settlements
-//! for its parent instead (children are only ever killed whole, so their claims do not matter).
+//! What the engine reports through its typed hook ([`broker_core::events`]), kept for the fault
+//! injectors: the core reports a `Settled` event once a settlement has committed, and a
+//! `Claimed` one for each delivery a claim returns (with when the claim began). The process's
+//! observer keeps those events, so a fault injector can tell, per delivery, whether its
+//! settlement was through when it struck (the history checker marks only those that were not),
+//! and whether the fault came while the claim that delivered it was in flight. A child process
+//! prints its settlements for its parent instead (children are only ever killed whole, so their
+//! claims do not matter).
 
 use std::collections::HashMap;
-use std::fmt::Debug;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Level, Metadata, Subscriber};
-
-use crate::history::unix_micros;
+use broker_core::events::EngineEvent;
 
 /// The line a child prints when a settlement went through: `@@D <table> <id> <attempt> <unix µs>`.
 pub(crate) const SETTLED_LINE: &str = "@@D ";
@@ -49,10 +46,53 @@ pub(crate) fn install(print: bool) {
         PRINT.store(true, Ordering::SeqCst);
     }
     ONCE.call_once(|| {
-        // Another global subscriber would hide the events: then this is a test bug.
-        tracing::subscriber::set_global_default(EngineEvents::default())
-            .expect("the conformance suite installs the only global tracing subscriber");
+        // Another observer would keep the events from this one: then this is a test bug.
+        assert!(
+            broker_core::events::observe(observe),
+            "the conformance suite sets the only engine event observer"
+        );
     });
+}
+
+/// Unix microseconds of `at`: how settlements and claims are kept, and how a child reports them.
+fn micros(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+/// Keeps (or, in a child, prints) one engine event.
+pub(crate) fn observe(event: &EngineEvent<'_>) {
+    let print = PRINT.load(Ordering::SeqCst);
+    match *event {
+        EngineEvent::Settled {
+            table,
+            id,
+            attempt,
+            at,
+        } => {
+            if print {
+                println!("{SETTLED_LINE}{table} {id} {attempt} {}", micros(at));
+            } else {
+                note(table, id, attempt, micros(at));
+            }
+        }
+        EngineEvent::Claimed {
+            table,
+            subscription,
+            id,
+            attempt,
+            began,
+            returned,
+        } if !print => {
+            claimed()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry((table.to_owned(), id, attempt))
+                .or_default()
+                .push((subscription.to_owned(), micros(began), micros(returned)));
+        }
+        _ => {}
+    }
 }
 
 /// Notes a settlement a child reported.
@@ -99,108 +139,4 @@ pub(crate) fn claims(
         .filter(|(s, _, _)| s == subscription)
         .map(|(_, began, returned)| (began, returned))
         .collect()
-}
-
-#[derive(Default)]
-struct EngineEvents {
-    next_span: AtomicU64,
-}
-
-/// Which of the engine's events an event is.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Settled,
-    Claimed,
-}
-
-#[derive(Default)]
-struct Fields {
-    kind: Option<Kind>,
-    table: Option<String>,
-    subscription: Option<String>,
-    id: Option<i64>,
-    attempt: Option<i64>,
-    claim_us: Option<u64>,
-}
-
-impl Visit for Fields {
-    fn record_i64(&mut self, field: &Field, value: i64) {
-        match field.name() {
-            "id" => self.id = Some(value),
-            "attempt" => self.attempt = Some(value),
-            _ => {}
-        }
-    }
-
-    fn record_str(&mut self, field: &Field, value: &str) {
-        match field.name() {
-            "table" => self.table = Some(value.to_owned()),
-            "subscription" => self.subscription = Some(value.to_owned()),
-            _ => {}
-        }
-    }
-
-    fn record_u64(&mut self, field: &Field, value: u64) {
-        if field.name() == "claim_us" {
-            self.claim_us = Some(value);
-        }
-    }
-
-    fn record_debug(&mut self, field: &Field, value: &dyn Debug) {
-        if field.name() == "message" {
-            self.kind = match format!("{value:?}").as_str() {
-                "settled" => Some(Kind::Settled),
-                "claimed" => Some(Kind::Claimed),
-                _ => None,
-            };
-        }
-    }
-}
-
-impl Subscriber for EngineEvents {
-    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
-        metadata.is_event()
-            && *metadata.level() == Level::DEBUG
-            && metadata.target() == "broker_core::delivery"
-    }
-
-    fn new_span(&self, _span: &Attributes<'_>) -> Id {
-        Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed) + 1)
-    }
-
-    fn record(&self, _span: &Id, _values: &Record<'_>) {}
-
-    fn record_follows_from(&self, _span: &Id, _follows: &Id) {}
-
-    fn event(&self, event: &Event<'_>) {
-        let mut f = Fields::default();
-        event.record(&mut f);
-        let (Some(kind), Some(table_name), Some(id), Some(attempt)) =
-            (f.kind, f.table, f.id, f.attempt)
-        else {
-            return;
-        };
-        let now = unix_micros();
-        let print = PRINT.load(Ordering::SeqCst);
-        match (kind, f.claim_us) {
-            (Kind::Settled, _) if print => {
-                println!("{SETTLED_LINE}{table_name} {id} {attempt} {now}");
-            }
-            (Kind::Settled, _) => note(&table_name, id, attempt, now),
-            (Kind::Claimed, Some(took)) if !print => {
-                let began = now.saturating_sub(i64::try_from(took).unwrap_or(i64::MAX));
-                claimed()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .entry((table_name, id, attempt))
-                    .or_default()
-                    .push((f.subscription.unwrap_or_default(), began, now));
-            }
-            (Kind::Claimed, _) => {}
-        }
-    }
-
-    fn enter(&self, _span: &Id) {}
-
-    fn exit(&self, _span: &Id) {}
 }

@@ -320,6 +320,12 @@ pub async fn killed_connections_lose_nothing<D: TestDb>(mode: ClaimMode) {
         Err(problems) => panic!("the history check failed (cuts per kill {cuts:?}):\n{problems}"),
     };
     assert!(terminated > 0, "some connections were terminated");
+    // The kills are told apart from claims in flight by the engine's typed claim events: a
+    // history where none arrived would check every delivery as if its claim were unknown.
+    assert!(
+        history.records().iter().all(|r| r.claim.is_some()),
+        "every delivery's claim reached the history as an engine event"
+    );
     assert!(
         cuts.iter().any(|c| c.in_handler > 0),
         "the kills must reach deliveries in work: cuts per kill {cuts:?}"
