@@ -1,0 +1,238 @@
+//! What a delivery task does with one claimed row: lease renewal from the claim on, a worker
+//! slot, the handler, settlement, and the wake-up for rows the settlement freed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::{Database, FromRow};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use tracing::Instrument;
+
+use super::Health;
+use super::handler::{CatchUnwind, Handler, panic_message};
+use super::options::SubscribeOptions;
+use super::timing::claim_backoff;
+use crate::claim_mode::ClaimMode;
+use crate::delivery::{Delivery, Outcome};
+use crate::driver::Backend;
+use crate::metrics::{Counter, InWork};
+use crate::mode::QueueInner;
+use crate::table::TableDescription;
+
+/// What every delivery task of a subscription shares.
+pub(super) struct Engine<B: Backend, T> {
+    pub(super) queue: Arc<QueueInner<B>>,
+    pub(super) handler: Handler<B, T>,
+    pub(super) options: Arc<SubscribeOptions>,
+    /// One permit per delivery whose handler runs.
+    pub(super) slots: Arc<Semaphore>,
+    pub(super) wake: Arc<Notify>,
+    /// Settlements that may have made rows claimable (see [`frees_rows`]). A claim that found
+    /// too few rows while one landed looks again at once: it may have run before that row was
+    /// free, and the wake-up the settlement sent may have gone to a claim that lost the row to
+    /// it.
+    pub(super) freed: AtomicU64,
+    /// What [`Subscription::health`](super::Subscription::health) reads; claims update it.
+    pub(super) health: Arc<Mutex<Health>>,
+    /// The subscription's and the broker's stop, read when a delivery leaves work: it counts
+    /// in the [`ShutdownReport`](super::ShutdownReport) only if it was still in work when the stop came.
+    pub(super) stop: watch::Receiver<bool>,
+    pub(super) broker_stop: watch::Receiver<bool>,
+    pub(super) span: tracing::Span,
+}
+
+impl<B: Backend, T> Engine<B, T> {
+    /// Whether the subscription or the broker has been told to stop.
+    pub(super) fn stopping(&self) -> bool {
+        *self.stop.borrow() || *self.broker_stop.borrow()
+    }
+}
+
+/// One claimed row: lease renewal from the start, a slot, the handler, then settlement.
+/// Returns whether the delivery was in work (counted in `in_work`) when the subscription or
+/// broker was told to stop: what [`ShutdownReport::finished`](super::ShutdownReport::finished) counts. A delivery that left work
+/// before the stop is not counted, even when its task ends after it.
+pub(super) async fn work<B, T>(
+    engine: Arc<Engine<B, T>>,
+    mut delivery: Delivery<B, T>,
+    held: OwnedSemaphorePermit,
+) -> bool
+where
+    B: Backend,
+    T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
+{
+    let inner = &engine.queue.shared;
+    let options = &engine.options;
+    let id = delivery.id();
+    let attempt = delivery.attempt();
+    let span = tracing::info_span!("delivery", id, attempt);
+    // Renewal runs beside the slot wait and the handler, in this task: it starts at the claim,
+    // so a prefetched row keeps its lease while it waits for a slot. A renewal statement is
+    // never cancelled: when the handler ends mid-statement, the statement finishes first.
+    let stop_renewal = Notify::new();
+    let renewer = delivery.renewer();
+    let renewal = async {
+        let Some(renewer) = renewer else {
+            return;
+        };
+        let half = table_half_lease(inner.table.lease_seconds());
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(half) => {}
+                _ = stop_renewal.notified() => return,
+            }
+            if let Err(e) = renewer.renew().await {
+                tracing::warn!(table = inner.name(), id, error = %e, "lease renewal failed");
+                if renewer.is_lost() {
+                    return;
+                }
+            }
+        }
+    };
+    let failures = delivery.settle_failures();
+    let running = async {
+        // A row whose last settlements failed waits before it runs again, holding its claim (so
+        // no other claim of this process or another takes it meanwhile), the longer the more
+        // failed: a settlement that always fails costs a few runs, never a loop. The wait is
+        // at least the claim backoff, whatever error_backoff says.
+        if failures > 0 {
+            let wait = options
+                .backoff(i64::from(failures))
+                .max(claim_backoff(options.poll_interval, failures));
+            tracing::debug!(parent: &span, failures, ?wait, "the last settlements of this row failed; backing off");
+            tokio::time::sleep(wait).await;
+        }
+        let slot = engine
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the slot semaphore is never closed");
+        let in_work = InWork::enter(&inner.metrics);
+        if let Some(due) = delivery.due_ms() {
+            // Whole milliseconds: exact in an f64 for any due time.
+            #[allow(clippy::cast_precision_loss)]
+            inner
+                .metrics
+                .started_after_due((crate::driver::clock::now_ms() - due) as f64 / 1000.0);
+        }
+        let job = delivery.take_job();
+        let lent = if engine.handler.lends_transaction {
+            delivery.lend_transaction()
+        } else {
+            None
+        };
+        let started = std::time::Instant::now();
+        let result = CatchUnwind((engine.handler.f)(job, lent.clone()))
+            .instrument(span.clone())
+            .await;
+        inner.metrics.handler_ran(started.elapsed().as_secs_f64());
+        if let Some(lent) = lent {
+            delivery.take_back(lent);
+        }
+        // Stored if the renewal is mid-statement; it stops after that statement.
+        stop_renewal.notify_one();
+        // Lease mode without FIFO groups: the slot is the handler's, and the next row's
+        // handler may start while this one settles (the rows held stay bounded by `held`), so
+        // acks that finish close together share a statement. The other modes keep the slot
+        // until the row is settled: their settlements are not batched, and a row lock or a key
+        // holds a connection until then.
+        let keep = if settles_beside_next_handler(&inner.table) {
+            // Read before the gauge falls, so a stop seen after it counts this row out.
+            let in_shutdown = engine.stopping();
+            drop((slot, in_work));
+            (None, in_shutdown)
+        } else {
+            (Some((slot, in_work)), false)
+        };
+        (result, keep)
+    };
+    let ((result, (kept, left_in_shutdown)), ()) = tokio::join!(running, renewal);
+
+    let backoff_due = |attempt| {
+        let d = options.backoff(attempt);
+        if d.is_zero() || inner.table.due_at().is_none() {
+            Outcome::Retry
+        } else {
+            Outcome::RetryAfter(d)
+        }
+    };
+    // What the row's last_error column keeps, where the table has one.
+    let error_text = match &result {
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(panic) => Some(format!("panic: {}", panic_message(panic))),
+        Ok(Ok(_)) => None,
+    }
+    .filter(|_| inner.table.last_error().is_some());
+    let outcome = match result {
+        Ok(Ok(Outcome::RetryAfter(d))) if inner.table.due_at().is_none() && !d.is_zero() => {
+            tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
+            Outcome::Retry
+        }
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(e)) => {
+            inner.metrics.add(Counter::HandlerErrors, 1);
+            tracing::warn!(parent: &span, error = %e, "handler failed; retrying");
+            backoff_due(attempt)
+        }
+        Err(panic) => {
+            inner.metrics.add(Counter::Panics, 1);
+            tracing::error!(parent: &span, panic = panic_message(&panic), "handler panicked; retrying");
+            backoff_due(attempt)
+        }
+    };
+    match delivery.settle(outcome).await {
+        Err(e) => {
+            tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+        }
+        Ok(()) => {
+            if let Some(text) = error_text {
+                // After the settlement, in a statement of its own: only failures pay for it.
+                let dead = crate::inner::attempts::retry_or_dead(&inner.table, attempt, None)
+                    == crate::driver::Action::DeadLetter;
+                let recorded = inner
+                    .broker
+                    .backend
+                    .record_error(&inner.table, id, &text, dead)
+                    .await;
+                if let Err(e) = recorded {
+                    tracing::warn!(parent: &span, error = %e, "writing the handler's error into the row failed");
+                }
+            }
+        }
+    }
+    let in_shutdown = match kept {
+        Some(kept) => {
+            let in_shutdown = engine.stopping();
+            drop(kept);
+            in_shutdown
+        }
+        None => left_in_shutdown,
+    };
+    drop(held);
+    // Wake the claim loop for rows this settlement freed instead of leaving them to the next
+    // poll.
+    if frees_rows(&inner.table, outcome) {
+        engine.freed.fetch_add(1, Ordering::SeqCst);
+        engine.wake.notify_one();
+    }
+    in_shutdown
+}
+
+/// Whether a delivery gives its worker slot back when its handler returns, before it settles:
+/// lease tables without FIFO groups, whose acks can share a statement.
+fn settles_beside_next_handler(table: &TableDescription) -> bool {
+    table.mode() == ClaimMode::Lease && !table.fifo()
+}
+
+/// Whether a settlement can make rows claimable that a claim had to pass over: the next row of
+/// a FIFO group, rows whose advisory key the delivery held, or the row itself when it is due
+/// again at once.
+fn frees_rows(table: &TableDescription, outcome: Outcome) -> bool {
+    table.fifo() || table.mode() == ClaimMode::Advisory || outcome == Outcome::Retry
+}
+
+fn table_half_lease(lease_seconds: u32) -> Duration {
+    Duration::from_millis(u64::from(lease_seconds) * 500)
+}
