@@ -145,14 +145,11 @@ impl MySqlAdvisory {
     pub(crate) fn new(
         pool: MySqlPool,
         table: Arc<TableDescription>,
+        template: &KeyTemplate,
         database: String,
         group_index: Option<&str>,
     ) -> Self {
         let s = Statements::new(&table);
-        let template = table
-            .advisory_lock()
-            .expect("advisory mode has a template")
-            .clone();
         let key_columns: Vec<String> = template
             .columns()
             .iter()
@@ -199,21 +196,29 @@ impl MySqlAdvisory {
                 .push(" AND ")
                 .append(&s.claimable)
                 .stmt("take"),
-                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
-                    .append(&by_id)
-                    .push(" AND ")
-                    .append(&s.claimable)
-                    .stmt("take read"),
+                read: Sql::new(format!(
+                    "SELECT {} FROM {}",
+                    s.claimed_columns(false),
+                    s.table
+                ))
+                .append(&by_id)
+                .push(" AND ")
+                .append(&s.claimable)
+                .stmt("take read"),
             },
             Some(guard) => Take::Locked {
                 begin: begin_sql(&table),
                 // -- needs NOWAIT: MySQL 8.0.1, MariaDB 10.3
-                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
-                    .append(&by_id)
-                    .push(" AND ")
-                    .append(&s.claimable)
-                    .push(" FOR UPDATE NOWAIT")
-                    .stmt("take"),
+                read: Sql::new(format!(
+                    "SELECT {} FROM {}",
+                    s.claimed_columns(false),
+                    s.table
+                ))
+                .append(&by_id)
+                .push(" AND ")
+                .append(&s.claimable)
+                .push(" FOR UPDATE NOWAIT")
+                .stmt("take"),
                 guard,
                 count: Sql::new(format!(
                     "UPDATE {t} SET {a} = {a} + 1",
@@ -233,7 +238,7 @@ impl MySqlAdvisory {
             pool,
             table,
             database,
-            template,
+            template: template.clone(),
             candidates,
             walk,
             probe,

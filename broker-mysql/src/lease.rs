@@ -117,15 +117,12 @@ impl MySqlLease {
     pub(crate) fn new(
         pool: MySqlPool,
         table: Arc<TableDescription>,
+        locked_until: &str,
         group_index: Option<&str>,
         mariadb: bool,
     ) -> Self {
         let s = Statements::new(&table);
-        let lu = format!(
-            "{}.{}",
-            s.table,
-            ident(table.locked_until().expect("lease mode has locked_until"))
-        );
+        let lu = format!("{}.{}", s.table, ident(locked_until));
         // The update re-checks that each row is still claimable, on the row as it is now: the
         // locking read took it from what this node had applied, and on a Galera cluster a claim
         // on another node may have leased the row since (its write reaches this node after the

@@ -364,10 +364,10 @@ impl Statements {
         }
     }
 
-    /// The select list of a claimed row: the whole row plus the broker's aliases. `counted`:
-    /// the attempt column already counts this delivery, so the alias reads one less (the
-    /// attempt before the claim).
-    pub(crate) fn select_list(&self, counted: bool) -> String {
+    /// What a claim hands out (its select list): the whole row plus the broker's aliases.
+    /// `counted`: the attempt column already counts this delivery, so the alias reads one less
+    /// (the attempt before the claim).
+    pub(crate) fn claimed_columns(&self, counted: bool) -> String {
         format!(
             "{t}.*, CAST({id} AS SIGNED) AS {aid}, CAST({a} AS SIGNED){minus} AS {aa}{tail}",
             t = self.table,
