@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{
-    ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
+    ClaimedRow, Fence, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
 };
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{MySql, MySqlConnection, MySqlPool, Row};
@@ -384,7 +384,13 @@ impl MySqlLease {
         let mut conn = self.conn().await?;
         let out = self
             .settle
-            .run(&mut conn, self.table.name(), settle, Some(token), false)
+            .run(
+                &mut conn,
+                self.table.name(),
+                settle,
+                Fence::Lease(token),
+                false,
+            )
             .await;
         self.done(conn, &out);
         out

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle, WarmConnections,
 };
 use broker_core::{KeyPart, KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
@@ -25,8 +25,8 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    ErrorClass, Failed, Fence, Resume, SettleStatements, Statements, classify, ident, on_warm,
-    query, retrying, settle_retrying,
+    ErrorClass, Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query,
+    retrying, settle_retrying,
 };
 
 /// How long an advisory settlement whose key session went away runs again on pool connections.

@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{
-    ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
+    ClaimedRow, Fence, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
 };
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query, retrying,
+    Failed, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query, retrying,
     settle_retrying, ts,
 };
 

@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, GroupCursor, KeptForClaim, Position, RowLockClaim, RowLockStrategy, RowTransaction,
-    Settle, WarmConnections,
+    Action, Fence, GroupCursor, KeptForClaim, Position, RowLockClaim, RowLockStrategy,
+    RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, Resume, SettleStatements, Statements, query, retrying};
+use crate::sql::{Failed, Resume, SettleStatements, Statements, query, retrying};
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";

@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use broker_core::driver::{Action, LeaseToken, Position, Settle, alias};
+use broker_core::driver::{Action, Fence, Position, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -67,9 +67,7 @@ pub fn classify(err: &sqlx::Error) -> ErrorClass {
 /// lock that was not available, or a lost connection (see [`classify`]). Claims are retried by
 /// the subscription engine on their own.
 pub fn is_transient(error: &SqlxBrokerError) -> bool {
-    error
-        .sqlx_source()
-        .is_some_and(|s| classify(s) != ErrorClass::Permanent)
+    broker_core::driver::retry::is_transient(classify, error)
 }
 
 /// A statement that failed, by name, before the table is known to the error.
@@ -506,19 +504,6 @@ impl Resume {
             false => q.bind(from.id),
         }
     }
-}
-
-/// What a settlement must still find in the row for it to take effect.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Fence {
-    /// Row lock: the claim's transaction holds the row; nothing to check.
-    None,
-    /// Lease: the token (`$3` expiry, `$4` attempt).
-    Lease(LeaseToken),
-    /// Advisory: the attempt the take wrote (`$3`). The key lock keeps other claims out while
-    /// its session lives; this keeps out a settlement from a delivery whose session (and key)
-    /// ended under it.
-    Attempt(i64),
 }
 
 /// Settlement statements of one mode.

@@ -3,13 +3,15 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle};
+use broker_core::driver::{
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle,
+};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::backend::{Warm, kept_after, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
-use crate::sql::{Fence, SettleStatements, Statements, ident, retrying, settle_retrying};
+use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
 
 /// How long an advisory settlement runs again after lost connections (the value the other
 /// backends use): the key stays held in this process meanwhile.

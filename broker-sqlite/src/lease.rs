@@ -4,13 +4,15 @@
 use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
-use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle};
+use broker_core::driver::{
+    ClaimedRow, Fence, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle,
+};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::backend::{Warm, kept_after, warm_conn};
 use crate::keys::KeyTable;
-use crate::sql::{Fence, SettleStatements, Statements, ident, retrying, settle_retrying};
+use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
 
 /// The lease strategy of one SQLite table.
 #[derive(Debug)]

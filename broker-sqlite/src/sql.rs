@@ -3,18 +3,7 @@
 
 use std::future::Future;
 
-use broker_core::driver::{Action, LeaseToken, Settle, alias};
-
-/// What a settlement must still find in the row for it to take effect.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Fence {
-    /// Lease: the token (`?3` expiry, `?4` attempt).
-    Lease(LeaseToken),
-    /// Advisory: the attempt the take wrote (`?3`). The key lock already keeps other claims
-    /// out; this keeps out a settlement still on its way from a delivery whose key was released
-    /// without it (a dropped future's statement can still land after the drop).
-    Attempt(i64),
-}
+use broker_core::driver::{Action, Fence, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
@@ -46,11 +35,6 @@ pub fn classify(err: &sqlx::Error) -> ErrorClass {
     }
 }
 
-/// How a broker error counts for the retry policy: by its driver error, if it has one.
-fn class_of(e: &SqlxBrokerError) -> ErrorClass {
-    e.sqlx_source().map_or(ErrorClass::Permanent, classify)
-}
-
 /// Runs `work` under the core's policy for errors the database undid
 /// ([`retry::transient`](broker_core::driver::retry::transient)): busy or locked past the busy
 /// timeout, so a claim that met another writer is not reported as a failed claim. Only for
@@ -61,7 +45,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    broker_core::driver::retry::transient(class_of, work).await
+    broker_core::driver::retry::transient_by(classify, work).await
 }
 
 /// Runs a fenced settlement (or renewal) `work` under the core's policy for fenced statements
@@ -72,15 +56,13 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    broker_core::driver::retry::fenced(class_of, deadline_ms, work).await
+    broker_core::driver::retry::fenced_by(classify, deadline_ms, work).await
 }
 
 /// Whether `error` is transient on SQLite: busy or locked past the busy timeout, or a lost
 /// connection (see [`classify`]). Claims are retried by the subscription engine on their own.
 pub fn is_transient(error: &SqlxBrokerError) -> bool {
-    error
-        .sqlx_source()
-        .is_some_and(|s| classify(s) != ErrorClass::Permanent)
+    broker_core::driver::retry::is_transient(classify, error)
 }
 
 /// Quotes an identifier in backticks, a backtick inside doubled. Not in double quotes: SQLite
@@ -277,6 +259,7 @@ impl SettleStatements {
                 .bind(settle.id)
                 .bind(value);
             match fence {
+                Fence::None => q,
                 Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
                 Fence::Attempt(attempt) => q.bind(attempt),
             }
