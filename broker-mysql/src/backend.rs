@@ -227,12 +227,7 @@ impl Conn {
     /// otherwise gives it and every kept one back to the pool (the server may have dropped
     /// them all).
     pub(crate) fn done_into(self, warm: &WarmConnections<PoolConnection<MySql>>, ok: bool) {
-        if ok {
-            warm.keep(self.into_inner());
-        } else {
-            self.finish();
-            warm.release();
-        }
+        warm.keep_if(self.into_inner(), ok);
     }
 
     /// Guards a connection taken elsewhere.

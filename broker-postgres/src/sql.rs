@@ -176,16 +176,8 @@ pub(crate) async fn on_warm<T>(
         }
         .await
     };
-    match out {
-        Ok(out) => {
-            warm.keep(conn);
-            Ok(out)
-        }
-        Err(e) => {
-            warm.release();
-            Err(e)
-        }
-    }
+    warm.keep_if(conn, out.is_ok());
+    out
 }
 
 /// The statements of one table, built once at subscribe time. Every statement names the queue

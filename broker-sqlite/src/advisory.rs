@@ -9,7 +9,7 @@ use broker_core::driver::{
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
 use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
 
@@ -221,7 +221,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
                 .bind(i64::try_from(skip).unwrap_or(i64::MAX));
             let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
             let rows = q.fetch_all(&mut *conn).await;
-            kept_after(&self.warm, conn, rows.is_ok());
+            self.warm.keep_if(conn, rows.is_ok());
             rows.map_err(self.err("candidates"))
         })
         .await?;
@@ -265,7 +265,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
             }
             let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
             let rows = q.fetch_all(&mut *conn).await;
-            kept_after(&self.warm, conn, rows.is_ok());
+            self.warm.keep_if(conn, rows.is_ok());
             rows.map_err(self.err("key walk"))
         })
         .await?;
@@ -290,7 +290,7 @@ impl AdvisoryStrategy for SqliteAdvisory {
                 .bind(id);
             let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
             let row = q.fetch_optional(&mut *conn).await;
-            kept_after(&self.warm, conn, row.is_ok());
+            self.warm.keep_if(conn, row.is_ok());
             row.map_err(self.err("take"))
         })
         .await?;

@@ -189,17 +189,6 @@ pub(crate) async fn warm_conn(
         .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
 }
 
-/// After a statement on `conn`: kept for the next one when it went well; when it failed, every
-/// kept connection goes back to the pool with it.
-pub(crate) fn kept_after(warm: &Warm, conn: PoolConnection<Sqlite>, ok: bool) {
-    if ok {
-        warm.keep(conn);
-    } else {
-        drop(conn);
-        warm.release();
-    }
-}
-
 async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {
     pool.acquire()
         .await

@@ -10,7 +10,7 @@ use broker_core::driver::{
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::keys::KeyTable;
 use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
 
@@ -183,7 +183,7 @@ impl LeaseStrategy for SqliteLease {
             }
             let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
             let rows = q.fetch_all(&mut *conn).await;
-            kept_after(&self.warm, conn, rows.is_ok());
+            self.warm.keep_if(conn, rows.is_ok());
             rows.map_err(self.err("claim"))
         })
         .await?;
@@ -243,7 +243,7 @@ impl LeaseStrategy for SqliteLease {
         let _turn = self.file.write_turn().await;
         let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
         let rows = q.fetch_all(&mut *conn).await;
-        kept_after(&self.warm, conn, rows.is_ok());
+        self.warm.keep_if(conn, rows.is_ok());
         let rows = rows.map_err(self.err("ack many"))?;
         rows.iter()
             .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))

@@ -7,7 +7,7 @@ use broker_core::driver::{Action, Fence, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::fifo;
 use crate::keys::KeyTable;
 
@@ -241,7 +241,7 @@ impl SettleStatements {
         let _turn = file.write_turn().await;
         let mut conn = warm_conn(warm, pool, table).await?;
         let done = self.run_on(&mut conn, table, settle, fence).await;
-        kept_after(warm, conn, done.is_ok());
+        warm.keep_if(conn, done.is_ok());
         done
     }
 
