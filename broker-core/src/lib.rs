@@ -86,7 +86,7 @@ pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
 #[cfg(feature = "metrics")]
 pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
-pub use claim_mode::ClaimMode;
+pub use claim_mode::{ClaimMode, ModeColumns};
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use driver::{Backend, Capabilities, RowState, RowTransaction};
@@ -118,10 +118,10 @@ pub mod api {
         BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
         DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
         HandlerResult, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState, JobTransaction,
-        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, NewJob, Outcome, Page, Pause,
-        Payload, Queue, QueueStats, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT,
-        ShutdownReport, SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder,
-        TableDescription, TxGuard, Value,
+        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns, NewJob, Outcome,
+        Page, Pause, Payload, Queue, QueueStats, Result, RowState, RowTransaction,
+        SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status, SubscribeOptions,
+        Subscription, TableBuilder, TableDescription, TxGuard, Value,
     };
     pub use crate::{
         DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, MAX_UNIQUE_KEY_CHARS,

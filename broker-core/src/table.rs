@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::claim_mode::ClaimMode;
+use crate::claim_mode::{ClaimMode, ModeColumns};
 use crate::error::{Result, SqlxBrokerError};
 
 /// The SQL type of a column the DDL helper creates.
@@ -226,7 +226,6 @@ pub struct TableDescription {
     max_attempts: Option<u32>,
     dead_letter: Option<DeadLetter>,
     columns: Vec<(String, ColumnType)>,
-    mode: ClaimMode,
 }
 
 /// The longest unique key a job may carry, in characters: what every database's unique index
@@ -373,7 +372,17 @@ impl TableDescription {
     }
     /// The claim mode the description selects.
     pub fn mode(&self) -> ClaimMode {
-        self.mode
+        self.mode_columns().mode()
+    }
+    /// The claim mode with the column that holds a row in it: what a backend matches on to
+    /// build one mode's SQL.
+    pub fn mode_columns(&self) -> ModeColumns<'_> {
+        // The builder refuses a description that sets both, so the first arm is lease alone.
+        match (&self.locked_until, &self.advisory_lock) {
+            (Some(locked_until), _) => ModeColumns::Lease { locked_until },
+            (None, Some(key)) => ModeColumns::Advisory { key },
+            (None, None) => ModeColumns::RowLock,
+        }
     }
 
     /// Every column the description names, with the role it plays, for startup checks.
@@ -704,7 +713,6 @@ impl TableBuilder {
             max_attempts: self.max_attempts,
             dead_letter: self.dead_letter,
             columns: self.columns,
-            mode,
         })
     }
 }
@@ -712,6 +720,32 @@ impl TableBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mode_carries_the_column_that_holds_a_row() {
+        let lease = TableDescription::builder("t")
+            .locked_until("lu")
+            .build()
+            .unwrap();
+        assert_eq!(
+            lease.mode_columns(),
+            ModeColumns::Lease { locked_until: "lu" }
+        );
+        assert_eq!(lease.mode(), ClaimMode::Lease);
+        let advisory = TableDescription::builder("t")
+            .column("k", ColumnType::Text)
+            .advisory_lock("a-{k}")
+            .build()
+            .unwrap();
+        match advisory.mode_columns() {
+            ModeColumns::Advisory { key } => assert_eq!(key.as_str(), "a-{k}"),
+            other => panic!("advisory table gave {other:?}"),
+        }
+        assert_eq!(advisory.mode(), ClaimMode::Advisory);
+        let row_lock = TableDescription::builder("t").build().unwrap();
+        assert_eq!(row_lock.mode_columns(), ModeColumns::RowLock);
+        assert_eq!(row_lock.mode(), ClaimMode::RowLock);
+    }
 
     #[test]
     fn a_template_parses_literals_columns_and_escaped_braces() {

@@ -28,8 +28,8 @@
 
 use broker_core::driver::{CONTROL_TABLE, StatsCounts};
 use broker_core::{
-    ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, Page, Pause,
-    Result, SqlxBrokerError, TableDescription,
+    ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
+    ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
     admin::{RowChange, last_error_text},
 };
 use sqlx::mysql::{MySqlArguments, MySqlRow};
@@ -238,8 +238,7 @@ impl<'t> Frag<'t> {
     }
 
     /// The advisory key of a row, as the claim renders it (NULL values as empty text).
-    fn key(&self, a: &str) -> Option<String> {
-        let template = self.t.advisory_lock()?;
+    fn key(&self, template: &KeyTemplate, a: &str) -> String {
         let parts: Vec<String> = template
             .parts()
             .iter()
@@ -248,25 +247,22 @@ impl<'t> Frag<'t> {
                 KeyPart::Column(c) => format!("IFNULL(CAST({} AS CHAR), '')", self.col(a, c)),
             })
             .collect();
-        Some(format!("CONCAT('', {})", parts.join(", ")))
+        format!("CONCAT('', {})", parts.join(", "))
     }
 
     /// Whether a delivery holds the row now, row by row (see the module docs). Row lock mode
     /// reads the join of [`free_rows`](Self::free_rows).
     fn held(&self, a: &str, now_ms: i64) -> Q {
-        match self.t.mode() {
-            ClaimMode::Lease => {
-                let lu = self.col(
-                    a,
-                    self.t.locked_until().expect("lease mode has locked_until"),
-                );
+        match self.t.mode_columns() {
+            ModeColumns::Lease { locked_until } => {
+                let lu = self.col(a, locked_until);
                 Q::new(format!("({lu} IS NOT NULL AND {lu} > "))
                     .time(now_ms)
                     .push(")")
             }
-            ClaimMode::Advisory => Q::new(format!(
+            ModeColumns::Advisory { key } => Q::new(format!(
                 "(IS_USED_LOCK({}) IS NOT NULL)",
-                lock_name_sql(&self.key(a).expect("advisory mode has a key"))
+                lock_name_sql(&self.key(key, a))
             )),
             _ => Q::new("(sqlx_broker_free.id IS NULL)"),
         }
@@ -434,9 +430,9 @@ impl Admin<'_> {
     }
 
     pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
-        let rows = match t.mode() {
-            ClaimMode::Advisory => {
-                let q = stats_by_key(t, now_ms);
+        let rows = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
+                let q = stats_by_key(t, key, now_ms);
                 self.fetch_all(t, "stats", |_| q).await?
             }
             _ => {
@@ -531,7 +527,9 @@ impl Admin<'_> {
                 a = f.col("q", t.attempt()),
                 due_ms = time(t.due_at()),
                 lu = time(t.locked_until()),
-                key = f.key("q").unwrap_or_else(|| "CAST(NULL AS CHAR)".into()),
+                key = t
+                    .advisory_lock()
+                    .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
                 group = text_of(t.group()),
                 error = text_of(t.last_error()),
             ))
@@ -756,11 +754,11 @@ impl Admin<'_> {
         let f = Frag::new(t);
         let err = |e| SqlxBrokerError::statement(t.name(), name, e);
         let mut conn = self.conn(t.name()).await?;
-        let changed = match t.mode() {
-            ClaimMode::Advisory => {
+        let changed = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
                 let sql = Q::new(format!(
                     "SELECT CAST(DATABASE() AS CHAR), {key} FROM {table} AS q WHERE q.{id} = ",
-                    key = f.key("q").expect("a key"),
+                    key = f.key(key, "q"),
                     table = f.table,
                     id = f.id,
                 ))
@@ -818,7 +816,7 @@ impl Admin<'_> {
                 }
                 n
             }
-            ClaimMode::RowLock => {
+            ModeColumns::RowLock => {
                 let out = in_rc_tx(&mut conn, err, async |tx| {
                     // -- needs SKIP LOCKED: MySQL 8.0.1, MariaDB 10.6
                     let lock = Q::new(format!(
@@ -1066,7 +1064,7 @@ fn stats_by_row(t: &TableDescription, now_ms: i64, join: &str) -> Q {
 /// due rows is one row in work and the rest of its due rows are due; its scheduled rows stay
 /// scheduled, so a key still held just after its row was put back for later counts nothing
 /// twice.
-fn stats_by_key(t: &TableDescription, now_ms: i64) -> Q {
+fn stats_by_key(t: &TableDescription, key: &KeyTemplate, now_ms: i64) -> Q {
     let f = Frag::new(t);
     let (unf, due) = (f.unfinished("q"), f.due("q", now_ms));
     let flag = |cond: &Q| Q::new("CASE WHEN ").and(cond).push(" THEN 1 ELSE 0 END");
@@ -1085,25 +1083,22 @@ fn stats_by_key(t: &TableDescription, now_ms: i64) -> Q {
             .push(&format!(" THEN {} END", read_ms(&f.col("q", d)))),
         None => Q::new("NULL"),
     };
-    let rows = Q::new(format!(
-        "SELECT CAST({} AS BINARY) AS k, ",
-        f.key("q").expect("advisory mode has a key")
-    ))
-    .and(&flag(&due_rows))
-    .push(" AS d, ")
-    .and(&flag(&all(&[&unf, &not(&due)])))
-    .push(" AS l, ")
-    .and(&flag(&all(&[
-        &unf,
-        &Q::new(format!("{} > 1", f.col("q", t.attempt()))),
-    ])))
-    .push(" AS r, ")
-    .and(&finished)
-    .push(" AS f, ")
-    .and(&marked)
-    .push(" AS m, ")
-    .and(&due_ms)
-    .push(&format!(" AS ms FROM {} AS q", f.table));
+    let rows = Q::new(format!("SELECT CAST({} AS BINARY) AS k, ", f.key(key, "q")))
+        .and(&flag(&due_rows))
+        .push(" AS d, ")
+        .and(&flag(&all(&[&unf, &not(&due)])))
+        .push(" AS l, ")
+        .and(&flag(&all(&[
+            &unf,
+            &Q::new(format!("{} > 1", f.col("q", t.attempt()))),
+        ])))
+        .push(" AS r, ")
+        .and(&finished)
+        .push(" AS f, ")
+        .and(&marked)
+        .push(" AS m, ")
+        .and(&due_ms)
+        .push(&format!(" AS ms FROM {} AS q", f.table));
     let keys = Q::new(format!(
         "SELECT SUM(x.d) AS d, SUM(x.l) AS l, SUM(x.r) AS r, SUM(x.f) AS f, SUM(x.m) AS m, \
          MIN(x.ms) AS ms, CASE WHEN SUM(x.d) > 0 THEN IS_USED_LOCK({}) IS NOT NULL ELSE 0 END AS h \

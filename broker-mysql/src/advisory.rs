@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle, WarmConnections,
 };
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
@@ -145,14 +145,11 @@ impl MySqlAdvisory {
     pub(crate) fn new(
         pool: MySqlPool,
         table: Arc<TableDescription>,
+        template: &KeyTemplate,
         database: String,
         group_index: Option<&str>,
     ) -> Self {
         let s = Statements::new(&table);
-        let template = table
-            .advisory_lock()
-            .expect("advisory mode has a template")
-            .clone();
         let key_columns: Vec<String> = template
             .columns()
             .iter()
@@ -188,6 +185,15 @@ impl MySqlAdvisory {
         )
         .into();
         let by_id = Sql::new(format!(" WHERE {} = ", s.id)).param(P::Id);
+        // The row as a claim hands it out, if it is still claimable.
+        let read = Sql::new(format!(
+            "SELECT {} FROM {}",
+            s.claimed_columns(false),
+            s.table
+        ))
+        .append(&by_id)
+        .push(" AND ")
+        .append(&s.claimable);
         let take = match fifo::guard(&table, group_index) {
             None => Take::Update {
                 update: Sql::new(format!(
@@ -199,21 +205,12 @@ impl MySqlAdvisory {
                 .push(" AND ")
                 .append(&s.claimable)
                 .stmt("take"),
-                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
-                    .append(&by_id)
-                    .push(" AND ")
-                    .append(&s.claimable)
-                    .stmt("take read"),
+                read: read.stmt("take read"),
             },
             Some(guard) => Take::Locked {
                 begin: begin_sql(&table),
                 // -- needs NOWAIT: MySQL 8.0.1, MariaDB 10.3
-                read: Sql::new(format!("SELECT {} FROM {}", s.select_list(false), s.table))
-                    .append(&by_id)
-                    .push(" AND ")
-                    .append(&s.claimable)
-                    .push(" FOR UPDATE NOWAIT")
-                    .stmt("take"),
+                read: read.push(" FOR UPDATE NOWAIT").stmt("take"),
                 guard,
                 count: Sql::new(format!(
                     "UPDATE {t} SET {a} = {a} + 1",
@@ -233,7 +230,7 @@ impl MySqlAdvisory {
             pool,
             table,
             database,
-            template,
+            template: template.clone(),
             candidates,
             walk,
             probe,
@@ -655,7 +652,13 @@ impl AdvisoryStrategy for MySqlAdvisory {
     async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
         let out = self
             .settle
-            .run(lock.conn(), self.table.name(), settle, None, false)
+            .run(
+                lock.conn(),
+                self.table.name(),
+                settle,
+                Fence::Attempt(settle.attempt),
+                false,
+            )
             .await;
         lock.in_flight = false;
         // The key's session was lost under the delivery (its key is free now): the settlement
@@ -672,7 +675,13 @@ impl AdvisoryStrategy for MySqlAdvisory {
                     let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
                     let out = self
                         .settle
-                        .run(&mut conn, self.table.name(), settle, None, false)
+                        .run(
+                            &mut conn,
+                            self.table.name(),
+                            settle,
+                            Fence::Attempt(settle.attempt),
+                            false,
+                        )
                         .await;
                     conn.finish();
                     out

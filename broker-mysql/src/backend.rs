@@ -10,7 +10,7 @@ use broker_core::driver::{
     ClaimedRow, Prepared, PublishPlan, ScheduleRow, WarmConnections, connect,
 };
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Published, Result, RowState,
+    Backend, Broker, Capabilities, DeadLetter, ModeColumns, NewJob, Published, Result, RowState,
     SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::mysql::{MySqlArguments, MySqlConnectOptions, MySqlPoolOptions, MySqlRow};
@@ -227,12 +227,7 @@ impl Conn {
     /// otherwise gives it and every kept one back to the pool (the server may have dropped
     /// them all).
     pub(crate) fn done_into(self, warm: &WarmConnections<PoolConnection<MySql>>, ok: bool) {
-        if ok {
-            warm.keep(self.into_inner());
-        } else {
-            self.finish();
-            warm.release();
-        }
+        warm.keep_if(self.into_inner(), ok);
     }
 
     /// Guards a connection taken elsewhere.
@@ -736,27 +731,39 @@ impl MySqlBackend {
         let group_index = schema::group_index(conn, table).await?;
         broker_core::driver::indexes::warn(table.name(), schema::index_advice(conn, table).await);
         let group_index = group_index.as_deref();
-        let prepared = match table.mode() {
-            ClaimMode::RowLock => {
+        let prepared = match table.mode_columns() {
+            ModeColumns::RowLock => {
                 let s = MySqlRowLock::new(self.pool.clone(), table.clone(), group_index);
                 schema::check_statements(conn, table, &s.statements()).await?;
                 Prepared::RowLock(s)
             }
-            ClaimMode::Lease => {
+            ModeColumns::Lease { locked_until } => {
                 let mariadb = server.flavor == Flavor::MariaDb;
-                let s = MySqlLease::new(self.pool.clone(), table.clone(), group_index, mariadb);
+                let s = MySqlLease::new(
+                    self.pool.clone(),
+                    table.clone(),
+                    locked_until,
+                    group_index,
+                    mariadb,
+                );
                 schema::check_statements(conn, table, &s.statements()).await?;
                 Prepared::Lease(s)
             }
-            ClaimMode::Advisory => {
-                let s = MySqlAdvisory::new(self.pool.clone(), table.clone(), database, group_index);
+            ModeColumns::Advisory { key } => {
+                let s = MySqlAdvisory::new(
+                    self.pool.clone(),
+                    table.clone(),
+                    key,
+                    database,
+                    group_index,
+                );
                 schema::check_statements(conn, table, &s.statements()).await?;
                 Prepared::Advisory(s)
             }
-            mode => {
+            other => {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
-                    mode,
+                    other.mode(),
                     self.capabilities().database,
                 ));
             }

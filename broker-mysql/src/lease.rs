@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{
-    ClaimedRow, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
+    ClaimedRow, Fence, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
 };
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{MySql, MySqlConnection, MySqlPool, Row};
@@ -117,15 +117,12 @@ impl MySqlLease {
     pub(crate) fn new(
         pool: MySqlPool,
         table: Arc<TableDescription>,
+        locked_until: &str,
         group_index: Option<&str>,
         mariadb: bool,
     ) -> Self {
         let s = Statements::new(&table);
-        let lu = format!(
-            "{}.{}",
-            s.table,
-            ident(table.locked_until().expect("lease mode has locked_until"))
-        );
+        let lu = format!("{}.{}", s.table, ident(locked_until));
         // The update re-checks that each row is still claimable, on the row as it is now: the
         // locking read took it from what this node had applied, and on a Galera cluster a claim
         // on another node may have leased the row since (its write reaches this node after the
@@ -387,7 +384,13 @@ impl MySqlLease {
         let mut conn = self.conn().await?;
         let out = self
             .settle
-            .run(&mut conn, self.table.name(), settle, Some(token), false)
+            .run(
+                &mut conn,
+                self.table.name(),
+                settle,
+                Fence::Lease(token),
+                false,
+            )
             .await;
         self.done(conn, &out);
         out

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, Position, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
+    Action, Fence, Position, RowLockClaim, RowLockStrategy, RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::MySqlRow;
@@ -242,7 +242,9 @@ impl RowLockStrategy for MySqlRowLock {
             }
             execute_plain(&mut tx, name, "release savepoint", RELEASE_WRITES).await?;
         }
-        self.settle.run(&mut tx, name, settle, None, true).await?;
+        self.settle
+            .run(&mut tx, name, settle, Fence::None, true)
+            .await?;
         if keep_connection && self.chain && self.warm.would_keep() {
             return self.commit_and_read(tx).await;
         }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{Action, LeaseToken, Settle, alias};
+use broker_core::driver::{Action, Fence, LeaseToken, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::{MySqlArguments, MySqlDatabaseError, MySqlRow};
 use sqlx::query::Query;
@@ -364,10 +364,10 @@ impl Statements {
         }
     }
 
-    /// The select list of a claimed row: the whole row plus the broker's aliases. `counted`:
-    /// the attempt column already counts this delivery, so the alias reads one less (the
-    /// attempt before the claim).
-    pub(crate) fn select_list(&self, counted: bool) -> String {
+    /// What a claim hands out (its select list): the whole row plus the broker's aliases.
+    /// `counted`: the attempt column already counts this delivery, so the alias reads one less
+    /// (the attempt before the claim).
+    pub(crate) fn claimed_columns(&self, counted: bool) -> String {
         format!(
             "{t}.*, CAST({id} AS SIGNED) AS {aid}, CAST({a} AS SIGNED){minus} AS {aa}{tail}",
             t = self.table,
@@ -515,8 +515,8 @@ pub(crate) enum DeadStatements {
 }
 
 impl SettleStatements {
-    /// Runs a settlement on `conn`. `token`: the lease fence, bound where the statements name
-    /// it. `in_tx`: the connection is inside the delivery's transaction already (row lock), so
+    /// Runs a settlement on `conn`. `fence`: what the row must still hold; the statements name
+    /// the lease token and the attempt the take wrote where they check them. `in_tx`: the connection is inside the delivery's transaction already (row lock), so
     /// a dead-letter move runs in it instead of in one of its own. Returns whether the row
     /// still held the fence (always true without one); when it did not, nothing changed.
     pub(crate) async fn run(
@@ -524,7 +524,7 @@ impl SettleStatements {
         conn: &mut MySqlConnection,
         table: &str,
         settle: Settle,
-        token: Option<LeaseToken>,
+        fence: Fence,
         in_tx: bool,
     ) -> Result<bool> {
         let written_ms = match settle.action {
@@ -535,7 +535,7 @@ impl SettleStatements {
             id: settle.id,
             now_ms: settle.now_ms,
             written_ms,
-            token,
+            token: fence.token(),
             held_attempt: settle.attempt,
             ..Args::default()
         };
@@ -652,14 +652,7 @@ pub fn classify(e: &sqlx::Error) -> ErrorClass {
 /// read that met a lock, or a lost connection (see [`classify`]). Claims are retried by the
 /// subscription engine on their own.
 pub fn is_transient(error: &SqlxBrokerError) -> bool {
-    error
-        .sqlx_source()
-        .is_some_and(|s| classify(s) != ErrorClass::Permanent)
-}
-
-/// How a broker error counts for the retry policy: by its driver error, if it has one.
-fn class_of(e: &SqlxBrokerError) -> ErrorClass {
-    e.sqlx_source().map_or(ErrorClass::Permanent, classify)
+    broker_core::driver::retry::is_transient(classify, error)
 }
 
 /// Runs `work` under the core's policy for errors the server undid
@@ -670,7 +663,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    broker_core::driver::retry::transient(class_of, work).await
+    broker_core::driver::retry::transient_by(classify, work).await
 }
 
 /// Runs a fenced settlement (or renewal) `work` under the core's policy for fenced statements
@@ -681,7 +674,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    broker_core::driver::retry::fenced(class_of, deadline_ms, work).await
+    broker_core::driver::retry::fenced_by(classify, deadline_ms, work).await
 }
 
 /// Executes a statement that takes no parameters over the text protocol (transaction control:

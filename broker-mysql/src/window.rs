@@ -136,7 +136,7 @@ impl Window {
         .stmt("claim window");
         let mut take = Sql::new(format!(
             "SELECT {} FROM {} FORCE INDEX (PRIMARY) WHERE {} IN (",
-            s.select_list(false),
+            s.claimed_columns(false),
             s.table,
             s.id
         ));

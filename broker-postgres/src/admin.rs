@@ -15,8 +15,8 @@
 
 use broker_core::driver::{CONTROL_TABLE, StatsCounts};
 use broker_core::{
-    ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, Page, Pause, Result,
-    SqlxBrokerError, TableDescription,
+    ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
+    ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
     admin::{RowChange, last_error_text},
 };
 use sqlx::postgres::PgRow;
@@ -78,8 +78,7 @@ impl<'t> Frag<'t> {
     }
 
     /// The advisory key of a row, as the claim renders it.
-    fn key(&self) -> Option<String> {
-        let template = self.t.advisory_lock()?;
+    fn key(&self, template: &KeyTemplate) -> String {
         let parts: Vec<String> = template
             .parts()
             .iter()
@@ -88,19 +87,19 @@ impl<'t> Frag<'t> {
                 KeyPart::Column(c) => self.col(c),
             })
             .collect();
-        Some(format!("concat({})", parts.join(", ")))
+        format!("concat({})", parts.join(", "))
     }
 
     /// Whether a delivery holds the row now (see the module docs).
     fn held(&self) -> String {
-        match self.t.mode() {
-            ClaimMode::Lease => {
-                let lu = self.col(self.t.locked_until().expect("lease mode has locked_until"));
+        match self.t.mode_columns() {
+            ModeColumns::Lease { locked_until } => {
+                let lu = self.col(locked_until);
                 format!("({lu} IS NOT NULL AND {lu} > {})", ts("$1"))
             }
-            ClaimMode::Advisory => format!(
+            ModeColumns::Advisory { key } => format!(
                 "(hashtextextended({}, 0) IN (SELECT h.k FROM sqlx_broker_held AS h))",
-                self.key().expect("advisory mode has a key")
+                self.key(key)
             ),
             _ => "(q.xmax IN (SELECT h.x FROM sqlx_broker_held AS h))".into(),
         }
@@ -294,9 +293,9 @@ impl Admin<'_> {
         // Advisory counts one delivery per held key with due rows; rows waiting behind it count
         // as due. A held key without due rows (its delivery's row just put back for later, the
         // key not unlocked yet) is no row in work: its rows are scheduled, and counted there.
-        let (due_count, scheduled, in_work) = match t.mode() {
-            ClaimMode::Advisory => {
-                let kh = format!("hashtextextended({}, 0)", f.key().expect("a key"));
+        let (due_count, scheduled, in_work) = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
+                let kh = format!("hashtextextended({}, 0)", f.key(key));
                 (
                     format!(
                         "count(*) FILTER (WHERE {unf} AND {due}) \
@@ -468,7 +467,9 @@ impl Admin<'_> {
             a = ident(t.attempt()),
             due_ms = time(t.due_at()),
             lu = time(t.locked_until()),
-            key = f.key().unwrap_or_else(|| "NULL::text".into()),
+            key = t
+                .advisory_lock()
+                .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
             group = text_of(t.group()),
             error = text_of(t.last_error()),
             cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
@@ -682,14 +683,14 @@ impl Admin<'_> {
     ) -> Result<RowChange> {
         let f = Frag::new(t);
         let err = |e| SqlxBrokerError::statement(t.name(), name, e);
-        if t.mode() == ClaimMode::Advisory {
+        if let ModeColumns::Advisory { key: template } = t.mode_columns() {
             // The key lock lives in the session: a connection of its own, closed afterwards.
             let mut conn = PgConnection::connect_with(&self.pool.connect_options())
                 .await
                 .map_err(err)?;
             let sql = format!(
                 "SELECT {key} FROM {table} AS q WHERE q.{id} = $1::int8 AND {unf}",
-                key = f.key().expect("a key"),
+                key = f.key(template),
                 table = f.table,
                 id = f.id,
                 unf = f.unfinished(),

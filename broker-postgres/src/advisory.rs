@@ -17,16 +17,16 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle, WarmConnections,
 };
-use broker_core::{KeyPart, Result, SqlxBrokerError, TableDescription};
+use broker_core::{KeyPart, KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    ErrorClass, Failed, Fence, Resume, SettleStatements, Statements, classify, ident, on_warm,
-    query, settle_retries, with_retries,
+    ErrorClass, Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query,
+    retrying, settle_retrying,
 };
 
 /// How long an advisory settlement whose key session went away runs again on pool connections.
@@ -67,8 +67,7 @@ impl Drop for KeyLock {
 
 /// The key of a row (`alias`) as SQL, and the template's literal pieces it binds from parameter
 /// `first` on: `concat` reads NULL as the empty string, as the template does.
-fn key_expr(t: &TableDescription, alias: &str, first: usize) -> (String, Vec<String>) {
-    let template = t.advisory_lock().expect("advisory mode has a template");
+fn key_expr(template: &KeyTemplate, alias: &str, first: usize) -> (String, Vec<String>) {
     let mut literals = Vec::new();
     let parts: Vec<String> = template
         .parts()
@@ -121,10 +120,15 @@ const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtextextended($1::text, 0
 const UNLOCK: &str = "SELECT pg_advisory_unlock(hashtextextended($1::text, 0))";
 
 impl PgAdvisory {
-    pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        table: Arc<TableDescription>,
+        template: &KeyTemplate,
+        columns: &[String],
+    ) -> Self {
         let s = Statements::new(&table, columns);
         // $1 now, $2 limit, literals from $3, then the skip.
-        let (key, literals) = key_expr(&table, "q", 3);
+        let (key, literals) = key_expr(template, "q", 3);
         // Whether another session holds a row's key: the held keys are read once per statement,
         // as a hashed subplan each row is probed against (`IN` over an uncorrelated subquery;
         // the hashes are never NULL). A correlated `EXISTS` read all of pg_locks again for every
@@ -160,12 +164,14 @@ impl PgAdvisory {
             .resume_condition(skip + 1)
             .map(|from| s.resume(candidates_with(&from)));
         let walk = table.key_walk_columns().map(|_| {
-            [false, true].map(|after| Arc::from(key_walk(&s, &table, &held, literals.len(), after)))
+            [false, true].map(|after| {
+                Arc::from(key_walk(&s, &table, template, &held, literals.len(), after))
+            })
         });
         // $1 now, $2 id, $3 the locked key, literals from $4; FIFO: the guard prefix after them.
         // The key must still be the row's key: a row whose key columns changed since the
         // candidates were read is not this lock's to take.
-        let (key, _) = key_expr(&table, "q", 4);
+        let (key, _) = key_expr(template, "q", 4);
         let still = format!(" AND q.{id} = $2::int8 AND {key} = $3::text", id = s.id);
         let columns = s.claimed_columns(true);
         let (take, guard) = match table.group().filter(|_| table.fifo()) {
@@ -238,6 +244,7 @@ impl PgAdvisory {
 fn key_walk(
     s: &Statements,
     t: &TableDescription,
+    template: &KeyTemplate,
     held: &dyn Fn(&str) -> String,
     literals: usize,
     after: bool,
@@ -303,7 +310,7 @@ fn key_walk(
             .collect();
         (
             format!("CASE WHEN {} THEN q.{id}::int8 END", s.claimable_row),
-            key_expr(t, "q", 3).0,
+            key_expr(template, "q", 3).0,
             format!(
                 "sqlx_broker_keys AS w CROSS JOIN LATERAL (SELECT * FROM {tbl} AS q WHERE {}{unf_q} \
                  ORDER BY q.{id} LIMIT 1) AS q",
@@ -317,7 +324,7 @@ fn key_walk(
                 same_key.join(" AND "),
                 s.claimable
             ),
-            key_expr(t, "w", 3).0,
+            key_expr(template, "w", 3).0,
             "sqlx_broker_keys AS w".to_owned(),
         )
     };
@@ -347,7 +354,7 @@ impl AdvisoryStrategy for PgAdvisory {
         now_ms: i64,
         position: Option<Position>,
     ) -> Result<Vec<Candidate>> {
-        let rows = with_retries(|| async {
+        let rows = retrying(|| async {
             let bind = |mut q: sqlx::query::Query<'static, Postgres, _>| {
                 q = q
                     .bind(now_ms)
@@ -398,7 +405,7 @@ impl AdvisoryStrategy for PgAdvisory {
             return Ok(KeyWalk::default());
         };
         let sql = if after.is_some() { later } else { first };
-        let rows = with_retries(|| async {
+        let rows = retrying(|| async {
             let mut q = query(sql, true)
                 .bind(now_ms)
                 .bind(i64::try_from(limit).unwrap_or(i64::MAX));
@@ -532,7 +539,7 @@ impl AdvisoryStrategy for PgAdvisory {
             // connections for a while, and changes nothing if the row was taken again meanwhile.
             Err(e) if classify(&e.source) == ErrorClass::Connection => {
                 let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
-                settle_retries(deadline, || async {
+                settle_retrying(deadline, || async {
                     let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
                     self.settle
                         .run(&mut conn, settle, Fence::Attempt(settle.attempt))

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use broker_core::driver::{ClaimedRow, Prepared, PublishPlan, ScheduleRow, connect};
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, NewJob, Published, Result,
-    RowState, SqlxBrokerError, TableDescription, Value,
+    Backend, Broker, Capabilities, ClaimMode, ColumnType, DeadLetter, ModeColumns, NewJob,
+    Published, Result, RowState, SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool, Postgres, Row};
@@ -71,6 +71,28 @@ impl PgBackend {
         let pooled = Arc::new(std::sync::OnceLock::new());
         let _ = pooled.set(true);
         Self { pooled, ..self }
+    }
+
+    /// Whether any session holds the advisory key `key` in the pool's database now (`pg_locks`),
+    /// on any broker or process. Asked on a connection of its own, opened with the pool's
+    /// options, so the probe never waits for a pool whose connections all hold keys.
+    pub async fn is_key_held(&self, key: &str) -> Result<bool> {
+        let err = |e| SqlxBrokerError::statement("", "key probe", e);
+        let mut conn = PgConnection::connect_with(&self.pool.connect_options())
+            .await
+            .map_err(err)?;
+        let held = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks AS l \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+             AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database()) \
+             AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0))",
+        )
+        .bind(key)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(err);
+        let _ = conn.close().await;
+        held
     }
 
     /// The admin operations on this backend's pool.
@@ -354,8 +376,8 @@ impl Backend for PgBackend {
         .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
         let version = version::check(&num, &text)?;
         let columns = schema::table_columns(&mut conn, table, prepared).await?;
-        let strategy = match table.mode() {
-            ClaimMode::RowLock => {
+        let strategy = match table.mode_columns() {
+            ModeColumns::RowLock => {
                 let mut s = PgRowLock::new(self.pool.clone(), table.clone(), &columns);
                 if pooled {
                     s = s.unprepared();
@@ -365,16 +387,16 @@ impl Backend for PgBackend {
                 schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 Prepared::RowLock(s)
             }
-            ClaimMode::Lease => {
-                let mut s = PgLease::new(self.pool.clone(), table.clone(), &columns);
+            ModeColumns::Lease { locked_until } => {
+                let mut s = PgLease::new(self.pool.clone(), table.clone(), locked_until, &columns);
                 if pooled {
                     s = s.unprepared();
                 }
                 schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 Prepared::Lease(s)
             }
-            ClaimMode::Advisory => {
-                let s = PgAdvisory::new(self.pool.clone(), table.clone(), &columns);
+            ModeColumns::Advisory { key } => {
+                let s = PgAdvisory::new(self.pool.clone(), table.clone(), key, &columns);
                 schema::check(&mut conn, table, &s.statements(), prepared).await?;
                 let pinned = notify::session_is_pinned(&mut conn)
                     .await
@@ -387,10 +409,10 @@ impl Backend for PgBackend {
                 }
                 Prepared::Advisory(s)
             }
-            mode => {
+            other => {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
-                    mode,
+                    other.mode(),
                     self.capabilities().database,
                 ));
             }

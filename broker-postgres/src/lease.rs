@@ -8,15 +8,15 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::LEASE_MARGIN_MS;
 use broker_core::driver::{
-    ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
+    ClaimedRow, Fence, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle, WarmConnections,
 };
 use broker_core::{Result, TableDescription};
 use sqlx::{Connection, PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Fence, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query,
-    settle_retries, ts, with_retries,
+    Failed, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query, retrying,
+    settle_retrying, ts,
 };
 
 /// The lease strategy of one PostgreSQL table.
@@ -43,9 +43,14 @@ pub struct PgLease {
 }
 
 impl PgLease {
-    pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        table: Arc<TableDescription>,
+        locked_until: &str,
+        columns: &[String],
+    ) -> Self {
         let s = Statements::new(&table, columns);
-        let lu = ident(table.locked_until().expect("lease mode has locked_until"));
+        let lu = ident(locked_until);
         // $1 now, $2 expiry, $3 limit; FIFO: $4 cursor, $5 guard prefix.
         let (picked, guard) = match table.group().filter(|_| table.fifo()) {
             Some(group) => (
@@ -113,7 +118,7 @@ impl PgLease {
         );
         let fence = format!(" AND q.{lu} = {} AND q.{} = $4::int8", ts("$3"), s.attempt);
         let settle = s.settle(&table, false, &fence);
-        let ack_many = s.lease_ack_many(&table).into();
+        let ack_many = s.lease_ack_many(&table, locked_until).into();
         Self {
             pool,
             prepared: true,
@@ -197,7 +202,7 @@ impl LeaseStrategy for PgLease {
         position: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
         let from = self.guard.as_ref().map(|_| self.cursor.get());
-        let rows = with_retries(|| async {
+        let rows = retrying(|| async {
             let limit = i64::try_from(limit).unwrap_or(i64::MAX);
             let bind = |q: sqlx::query::Query<'static, Postgres, _>| {
                 q.bind(now_ms).bind(expires_ms).bind(limit)
@@ -240,7 +245,7 @@ impl LeaseStrategy for PgLease {
     /// # Cancel safety
     /// A cancelled renewal leaves the old or the new expiry; the delivery keeps the old token.
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
-        let done = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || async {
+        let done = settle_retrying(token.expires_ms - LEASE_MARGIN_MS, || async {
             let q = query(&self.renew, self.prepared)
                 .bind(expires_ms)
                 .bind(id)
@@ -260,7 +265,7 @@ impl LeaseStrategy for PgLease {
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         // Fenced on the token, so a try after one whose connection failed mid-statement changes
         // nothing twice.
-        let changed = settle_retries(token.expires_ms - LEASE_MARGIN_MS, || {
+        let changed = settle_retrying(token.expires_ms - LEASE_MARGIN_MS, || {
             self.settle_once(token, settle)
         })
         .await

@@ -117,8 +117,9 @@
 //!   an identity column; rows published in concurrent transactions that commit out of id order
 //!   can be claimed in commit order.
 //! - **Transient errors** (serialization failure, deadlock, lock not available; see
-//!   [`classify`]) make a claim or a single-statement settlement run again a few times before
-//!   the error surfaces.
+//!   [`classify`] and [`is_transient`]) make a claim or a single-statement settlement run again
+//!   a few times before the error surfaces. [`PgBackend::is_key_held`] tells whether a session
+//!   holds an advisory key.
 //! - The table's `isolation` applies to row lock claim transactions.
 //! - A payload column of type `JSONB` takes `sqlx::types::Json<T>` (or `serde_json::Value`)
 //!   as the published payload, not a `String`. Both need sqlx's `json` feature, which this
@@ -152,4 +153,4 @@ pub type PgDelivery<T> = Delivery<PgBackend, T>;
 /// A row lock delivery's transaction lent to a handler on this database (see
 /// [`JobTransaction`]).
 pub type PgJobTransaction = JobTransaction<PgBackend>;
-pub use sql::{ErrorClass, classify};
+pub use sql::{ErrorClass, classify, is_transient};

@@ -14,14 +14,14 @@
 use std::sync::Arc;
 
 use broker_core::driver::{
-    Action, GroupCursor, KeptForClaim, Position, RowLockClaim, RowLockStrategy, RowTransaction,
-    Settle, WarmConnections,
+    Action, Fence, GroupCursor, KeptForClaim, Position, RowLockClaim, RowLockStrategy,
+    RowTransaction, Settle, WarmConnections,
 };
 use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
 
 use crate::fifo;
-use crate::sql::{Failed, Fence, Resume, SettleStatements, Statements, query, with_retries};
+use crate::sql::{Failed, Resume, SettleStatements, Statements, query, retrying};
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
@@ -211,7 +211,7 @@ impl RowLockStrategy for PgRowLock {
         from: Option<Position>,
     ) -> Result<Option<RowLockClaim<Postgres>>> {
         // A failed claim's transaction rolls back as it drops, so trying again is safe.
-        with_retries(|| self.try_claim(now_ms, from))
+        retrying(|| self.try_claim(now_ms, from))
             .await
             .map_err(|e| e.on(self.table.name()))
     }

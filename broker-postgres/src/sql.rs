@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use broker_core::driver::{Action, LeaseToken, Position, Settle, alias};
+use broker_core::driver::{Action, Fence, Position, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -63,6 +63,13 @@ pub fn classify(err: &sqlx::Error) -> ErrorClass {
     }
 }
 
+/// Whether `error` is transient on PostgreSQL: a serialization failure, a deadlock, a `NOWAIT`
+/// lock that was not available, or a lost connection (see [`classify`]). Claims are retried by
+/// the subscription engine on their own.
+pub fn is_transient(error: &SqlxBrokerError) -> bool {
+    broker_core::driver::retry::is_transient(classify, error)
+}
+
 /// A statement that failed, by name, before the table is known to the error.
 #[derive(Debug)]
 pub(crate) struct Failed {
@@ -89,7 +96,7 @@ impl Failed {
 /// connection error while the host's clock is before `deadline_ms` (the lease's expiry less a
 /// margin: past it another claim may hold the row). A try whose connection failed may have
 /// landed: the fence makes the next try change nothing then, and report the claim lost.
-pub(crate) async fn settle_retries<T, F, Fut>(deadline_ms: i64, f: F) -> Result<T, Failed>
+pub(crate) async fn settle_retrying<T, F, Fut>(deadline_ms: i64, f: F) -> Result<T, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Failed>>,
@@ -100,7 +107,7 @@ where
 /// Runs `f` under the core's policy for errors the server undid
 /// ([`retry::transient`](broker_core::driver::retry::transient)). Only for work that a failed
 /// try leaves unchanged (one statement in autocommit, or a transaction that rolled back).
-pub(crate) async fn with_retries<T, F, Fut>(f: F) -> Result<T, Failed>
+pub(crate) async fn retrying<T, F, Fut>(f: F) -> Result<T, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Failed>>,
@@ -169,16 +176,8 @@ pub(crate) async fn on_warm<T>(
         }
         .await
     };
-    match out {
-        Ok(out) => {
-            warm.keep(conn);
-            Ok(out)
-        }
-        Err(e) => {
-            warm.release();
-            Err(e)
-        }
-    }
+    warm.keep_if(conn, out.is_ok());
+    out
 }
 
 /// The statements of one table, built once at subscribe time. Every statement names the queue
@@ -356,9 +355,9 @@ impl Statements {
     /// The lease ack of many rows in one statement, each fenced on its token: `$1` ids, `$2`
     /// expiries, `$3` attempts (arrays of `int8`, one entry per row), `$4` the time an ack
     /// writes. Returns the ids it acked.
-    pub(crate) fn lease_ack_many(&self, t: &TableDescription) -> String {
+    pub(crate) fn lease_ack_many(&self, t: &TableDescription, locked_until: &str) -> String {
         let (table, id, a) = (&self.table, &self.id, &self.attempt);
-        let lu = ident(t.locked_until().expect("lease mode has locked_until"));
+        let lu = ident(locked_until);
         let rows = "UNNEST($1::int8[], $2::int8[], $3::int8[]) AS b(id, expiry, attempt)";
         let fenced = format!(
             "q.{id} = b.id AND q.{lu} = {} AND q.{a} = b.attempt",
@@ -497,19 +496,6 @@ impl Resume {
             false => q.bind(from.id),
         }
     }
-}
-
-/// What a settlement must still find in the row for it to take effect.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Fence {
-    /// Row lock: the claim's transaction holds the row; nothing to check.
-    None,
-    /// Lease: the token (`$3` expiry, `$4` attempt).
-    Lease(LeaseToken),
-    /// Advisory: the attempt the take wrote (`$3`). The key lock keeps other claims out while
-    /// its session lives; this keeps out a settlement from a delivery whose session (and key)
-    /// ended under it.
-    Attempt(i64),
 }
 
 /// Settlement statements of one mode.

@@ -353,9 +353,15 @@ mod case {
             .await
             .unwrap_err();
         assert_eq!(classify(&err), ErrorClass::Transient, "{err}");
+        assert!(broker_postgres::is_transient(&SqlxBrokerError::statement(
+            "locked", "lock", err
+        )));
         tx.rollback().await.unwrap();
         let err = b.execute("SELECT 1 / 0").await.unwrap_err();
         assert_eq!(classify(&err), ErrorClass::Permanent, "{err}");
+        assert!(!broker_postgres::is_transient(&SqlxBrokerError::statement(
+            "locked", "divide", err
+        )));
         let _ = a.close().await;
         let _ = b.close().await;
         common::drop_database(&url).await;

@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use broker_core::driver::{CONTROL_TABLE, StatsCounts};
 use broker_core::{
-    ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, Page, Pause,
-    Result, SqlxBrokerError, TableDescription,
+    ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
+    ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
     admin::{RowChange, last_error_text},
 };
 use sqlx::query::Query;
@@ -196,8 +196,7 @@ impl<'t> Frag<'t> {
     }
 
     /// The advisory key of a row, as the claim renders it (NULL values as empty text).
-    fn key(&self) -> Option<String> {
-        let template = self.t.advisory_lock()?;
+    fn key(&self, template: &KeyTemplate) -> String {
         let parts: Vec<String> = template
             .parts()
             .iter()
@@ -206,24 +205,27 @@ impl<'t> Frag<'t> {
                 KeyPart::Column(c) => format!("ifnull(CAST({} AS TEXT), '')", ident(c)),
             })
             .collect();
-        Some(format!("('' || {})", parts.join(" || ")))
+        format!("('' || {})", parts.join(" || "))
     }
 
     /// Whether a delivery holds the row now (see the module docs).
     fn held(&self, now_ms: i64) -> Q {
-        match self.t.mode() {
-            ClaimMode::Lease => {
-                let lu = ident(self.t.locked_until().expect("lease mode has locked_until"));
+        match self.t.mode_columns() {
+            ModeColumns::Lease { locked_until } => {
+                let lu = ident(locked_until);
                 Q::new(format!("({lu} IS NOT NULL AND {lu} > "))
                     .int(now_ms)
                     .push(")")
             }
-            _ => Q::new(format!(
+            ModeColumns::Advisory { key } => Q::new(format!(
                 "({} IN (SELECT value FROM json_each(",
-                self.key().expect("advisory mode has a key")
+                self.key(key)
             ))
             .text(self.held_keys.clone())
             .push(")))"),
+            // Row lock mode: SQLite offers none (the core refuses such a table before any admin
+            // call reaches here), so nothing can hold a row.
+            _ => Q::new("(1 = 0)"),
         }
     }
 
@@ -315,11 +317,11 @@ impl Admin<'_> {
         let free_due = all(&[&unf, &due, &not(&held)]);
         // Advisory counts one delivery per held key that has due rows; the rest of its due rows
         // count as due, its scheduled rows as scheduled.
-        let (due_count, scheduled, in_work) = match t.mode() {
-            ClaimMode::Advisory => {
+        let (due_count, scheduled, in_work) = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
                 let keys = Q::new("count(DISTINCT CASE WHEN ")
                     .and(&all(&[&unf, &due, &held]))
-                    .push(&format!(" THEN {} END)", f.key().expect("a key")));
+                    .push(&format!(" THEN {} END)", f.key(key)));
                 (
                     count_if(&all(&[&unf, &due])).push(" - ").and(&keys),
                     count_if(&all(&[&unf, &not(&due)])),
@@ -440,7 +442,9 @@ impl Admin<'_> {
             a = ident(t.attempt()),
             due_ms = time(t.due_at()),
             lu = time(t.locked_until()),
-            key = f.key().unwrap_or_else(|| "NULL".into()),
+            key = t
+                .advisory_lock()
+                .map_or_else(|| "NULL".into(), |k| f.key(k)),
             group = text_of(t.group()),
             error = text_of(t.last_error()),
         ))
@@ -632,10 +636,10 @@ impl Admin<'_> {
     ) -> Result<RowChange> {
         let f = self.frag(t);
         let mut _key = None;
-        if t.mode() == ClaimMode::Advisory {
+        if let ModeColumns::Advisory { key } = t.mode_columns() {
             let sql = Q::new(format!(
                 "SELECT {} FROM {} WHERE {} = ",
-                f.key().expect("a key"),
+                f.key(key),
                 f.table,
                 f.id
             ))
@@ -829,7 +833,7 @@ mod tests {
         let q = all(&[&f.unfinished(), &f.due(5), &f.held(5)]);
         assert_eq!(q.sql.matches('?').count(), q.args.len());
         assert_eq!(
-            f.key().unwrap(),
+            f.key(t.advisory_lock().unwrap()),
             "('' || 'key-' || ifnull(CAST(`k` AS TEXT), ''))"
         );
     }

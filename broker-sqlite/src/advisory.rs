@@ -3,13 +3,19 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{AdvisoryStrategy, Candidate, ClaimedRow, KeyWalk, Position, Settle};
+use broker_core::driver::{
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle,
+};
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
-use crate::sql::{Fence, SettleStatements, Statements, ident};
+use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
+
+/// How long an advisory settlement runs again after lost connections (the value the other
+/// backends use): the key stays held in this process meanwhile.
+const ADVISORY_SETTLE_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The advisory strategy of one SQLite table.
 #[derive(Debug)]
@@ -29,12 +35,13 @@ pub struct SqliteAdvisory {
 }
 
 impl SqliteAdvisory {
-    pub(crate) fn new(pool: SqlitePool, table: Arc<TableDescription>, keys: Arc<KeyTable>) -> Self {
+    pub(crate) fn new(
+        pool: SqlitePool,
+        table: Arc<TableDescription>,
+        template: &KeyTemplate,
+        keys: Arc<KeyTable>,
+    ) -> Self {
         let s = Statements::new(&table);
-        let template = table
-            .advisory_lock()
-            .expect("advisory mode has a template")
-            .clone();
         let key_columns: Vec<String> = template
             .columns()
             .iter()
@@ -58,12 +65,12 @@ impl SqliteAdvisory {
             order = s.order,
         );
         let take = format!(
-            "UPDATE {t} SET {a} = {a} + 1 WHERE {id} = ?2 AND {claimable} {ret}",
+            "UPDATE {t} SET {a} = {a} + 1 WHERE {id} = ?2 AND {claimable} RETURNING {ret}",
             t = s.table,
             a = s.attempt,
             id = s.id,
             claimable = s.claimable,
-            ret = s.returning_counted(),
+            ret = s.claimed_columns(true),
         );
         let settle = s.settle(&table, &format!(" AND {} = ?3", s.attempt));
         let walk = table
@@ -73,7 +80,7 @@ impl SqliteAdvisory {
             pool,
             table,
             keys,
-            template,
+            template: template.clone(),
             candidates,
             walk,
             take,
@@ -207,14 +214,17 @@ impl AdvisoryStrategy for SqliteAdvisory {
         now_ms: i64,
         _from: Option<Position>,
     ) -> Result<Vec<Candidate>> {
-        let q = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
-            .bind(now_ms)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(i64::try_from(skip).unwrap_or(i64::MAX));
-        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
-        let rows = q.fetch_all(&mut *conn).await;
-        kept_after(&self.warm, conn, rows.is_ok());
-        let rows = rows.map_err(self.err("candidates"))?;
+        let rows = retrying(|| async {
+            let q = sqlx::query(sqlx::AssertSqlSafe(self.candidates.clone()))
+                .bind(now_ms)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .bind(i64::try_from(skip).unwrap_or(i64::MAX));
+            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let rows = q.fetch_all(&mut *conn).await;
+            self.warm.keep_if(conn, rows.is_ok());
+            rows.map_err(self.err("candidates"))
+        })
+        .await?;
         if skip == 0 {
             // Nothing due: kept connections go back to the pool until a read finds rows.
             self.warm.claimed(!rows.is_empty());
@@ -246,16 +256,19 @@ impl AdvisoryStrategy for SqliteAdvisory {
             return Ok(KeyWalk::default());
         };
         let sql = if after.is_some() { later } else { first };
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
-            .bind(now_ms)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX));
-        for v in after.unwrap_or_default() {
-            q = q.bind(v.as_str());
-        }
-        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
-        let rows = q.fetch_all(&mut *conn).await;
-        kept_after(&self.warm, conn, rows.is_ok());
-        let rows = rows.map_err(self.err("key walk"))?;
+        let rows = retrying(|| async {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+                .bind(now_ms)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+            for v in after.unwrap_or_default() {
+                q = q.bind(v.as_str());
+            }
+            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let rows = q.fetch_all(&mut *conn).await;
+            self.warm.keep_if(conn, rows.is_ok());
+            rows.map_err(self.err("key walk"))
+        })
+        .await?;
         let n = self.table.key_walk_columns().map_or(0, |c| c.len());
         KeyWalk::read(&rows, n, &self.template).map_err(self.err("key walk"))
     }
@@ -271,21 +284,27 @@ impl AdvisoryStrategy for SqliteAdvisory {
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<Sqlite>>> {
         let _turn = self.keys.write_turn().await;
-        let q = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
-            .bind(now_ms)
-            .bind(id);
-        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
-        let row = q.fetch_optional(&mut *conn).await;
-        kept_after(&self.warm, conn, row.is_ok());
-        let row = row.map_err(self.err("take"))?;
+        let row = retrying(|| async {
+            let q = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
+                .bind(now_ms)
+                .bind(id);
+            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let row = q.fetch_optional(&mut *conn).await;
+            self.warm.keep_if(conn, row.is_ok());
+            row.map_err(self.err("take"))
+        })
+        .await?;
         row.map(|row| crate::backend::claimed(&self.table, row, Some(lock.key().to_owned())))
             .transpose()
     }
 
     async fn settle(&self, _lock: &mut KeyLock, settle: Settle) -> Result<()> {
-        let changed = self
-            .settle
-            .run(
+        // The key is held in this process until the delivery unlocks it, so no other claim can
+        // take the row meanwhile; the deadline only bounds how long a lost database file is
+        // waited for (as on the other backends).
+        let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
+        let changed = settle_retrying(deadline, || {
+            self.settle.run(
                 &self.warm,
                 &self.pool,
                 &self.keys,
@@ -293,7 +312,8 @@ impl AdvisoryStrategy for SqliteAdvisory {
                 settle,
                 Fence::Attempt(settle.attempt),
             )
-            .await?;
+        })
+        .await?;
         if changed == 1 {
             Ok(())
         } else {

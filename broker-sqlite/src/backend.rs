@@ -8,8 +8,8 @@ use broker_core::driver::{
     ClaimedRow, NotOffered, Prepared, ScheduleRow, WarmConnections, connect,
 };
 use broker_core::{
-    Backend, Broker, Capabilities, ClaimMode, DeadLetter, NewJob, Published, Result, RowState,
-    SqlxBrokerError, TableDescription, Value,
+    Backend, Broker, Capabilities, ClaimMode, DeadLetter, ModeColumns, NewJob, Published, Result,
+    RowState, SqlxBrokerError, TableDescription, Value,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
@@ -150,9 +150,12 @@ impl SqliteBackend {
         self.keys.len()
     }
 
-    /// Whether this process holds `key` in the backend's database file now.
-    pub fn is_key_held(&self, key: &str) -> bool {
-        self.keys.is_held(key)
+    /// Whether any subscription of this process holds the advisory key `key` in the backend's
+    /// database file now. Keys are held in the process (see the crate docs), so this asks no
+    /// statement of the database and never fails; it is async and returns a `Result` to have
+    /// the signature of `is_key_held` on the other backends.
+    pub async fn is_key_held(&self, key: &str) -> Result<bool> {
+        Ok(self.keys.is_held(key))
     }
 }
 
@@ -186,17 +189,6 @@ pub(crate) async fn warm_conn(
         .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
 }
 
-/// After a statement on `conn`: kept for the next one when it went well; when it failed, every
-/// kept connection goes back to the pool with it.
-pub(crate) fn kept_after(warm: &Warm, conn: PoolConnection<Sqlite>, ok: bool) {
-    if ok {
-        warm.keep(conn);
-    } else {
-        drop(conn);
-        warm.release();
-    }
-}
-
 async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {
     pool.acquire()
         .await
@@ -209,25 +201,8 @@ impl Backend for SqliteBackend {
     type Lease = SqliteLease;
     type Advisory = SqliteAdvisory;
 
-    /// SQLite's busy (5) and locked (6) result codes, with their extended codes, are transient
-    /// (another writer held the file past the busy timeout); I/O errors and a pool that cannot
-    /// hand out a connection are connection errors; the rest is permanent.
     fn classify(&self, error: &sqlx::Error) -> broker_core::driver::ErrorClass {
-        use broker_core::driver::ErrorClass;
-        match error {
-            sqlx::Error::Database(db) => {
-                let code = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
-                if matches!(code % 256, 5 | 6) {
-                    ErrorClass::Transient
-                } else {
-                    ErrorClass::Permanent
-                }
-            }
-            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
-                ErrorClass::Connection
-            }
-            _ => ErrorClass::Permanent,
-        }
+        crate::sql::classify(error)
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -249,18 +224,24 @@ impl Backend for SqliteBackend {
             .await
             .map_err(|e| SqlxBrokerError::statement(table.name(), "version", e))?;
         version::check(&found)?;
-        let strategy = match table.mode() {
-            ClaimMode::Lease => {
-                let s = SqliteLease::new(self.pool.clone(), table.clone(), self.keys.clone());
+        let strategy = match table.mode_columns() {
+            ModeColumns::Lease { locked_until } => {
+                let s = SqliteLease::new(
+                    self.pool.clone(),
+                    table.clone(),
+                    locked_until,
+                    self.keys.clone(),
+                );
                 schema::check(&mut conn, table, &s.statements()).await?;
                 Prepared::Lease(s)
             }
-            ClaimMode::Advisory => {
-                let s = SqliteAdvisory::new(self.pool.clone(), table.clone(), self.keys.clone());
+            ModeColumns::Advisory { key } => {
+                let s =
+                    SqliteAdvisory::new(self.pool.clone(), table.clone(), key, self.keys.clone());
                 schema::check(&mut conn, table, &s.statements()).await?;
                 Prepared::Advisory(s)
             }
-            ClaimMode::RowLock => {
+            ModeColumns::RowLock => {
                 return Err(SqlxBrokerError::ModeNotOffered {
                     table: table.name().to_owned(),
                     mode: ClaimMode::RowLock,
@@ -268,10 +249,10 @@ impl Backend for SqliteBackend {
                     hint: "SQLite has no row locks; add a locked_until column (lease mode) or an advisory_lock template",
                 });
             }
-            mode => {
+            other => {
                 return Err(SqlxBrokerError::mode_not_offered(
                     table.name(),
-                    mode,
+                    other.mode(),
                     self.capabilities().database,
                 ));
             }

@@ -3,13 +3,16 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{ClaimedRow, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle};
+use broker_core::driver::retry::LEASE_MARGIN_MS;
+use broker_core::driver::{
+    ClaimedRow, Fence, GroupCursor, LeaseStrategy, LeaseToken, Position, Settle,
+};
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::keys::KeyTable;
-use crate::sql::{Fence, SettleStatements, Statements, ident};
+use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
 
 /// The lease strategy of one SQLite table.
 #[derive(Debug)]
@@ -34,9 +37,14 @@ pub struct SqliteLease {
 }
 
 impl SqliteLease {
-    pub(crate) fn new(pool: SqlitePool, table: Arc<TableDescription>, file: Arc<KeyTable>) -> Self {
+    pub(crate) fn new(
+        pool: SqlitePool,
+        table: Arc<TableDescription>,
+        locked_until: &str,
+        file: Arc<KeyTable>,
+    ) -> Self {
         let s = Statements::new(&table);
-        let lu = ident(table.locked_until().expect("lease mode has locked_until"));
+        let lu = ident(locked_until);
         // Rows come back from RETURNING in no particular order; the engine does not rely on it.
         // $1 now, $2 expiry, $3 limit; FIFO: $4 the group cursor. The limit is written `+?3`, an
         // expression, not a bare parameter: SQLite 3.51 (the one sqlx bundles; not 3.40) lets
@@ -59,11 +67,11 @@ impl SqliteLease {
             .filter(|_| table.fifo())
             .map(|_| GroupCursor::default());
         let claim = format!(
-            "UPDATE {t} SET {lu} = ?2, {a} = {a} + 1 WHERE {id} IN ({picked}) {ret}",
+            "UPDATE {t} SET {lu} = ?2, {a} = {a} + 1 WHERE {id} IN ({picked}) RETURNING {ret}",
             t = s.table,
             a = s.attempt,
             id = s.id,
-            ret = s.returning_counted(),
+            ret = s.claimed_columns(true),
         );
         // The row may hold the new expiry already: a renewal run again after a lost reply finds
         // its own first try landed.
@@ -132,6 +140,20 @@ impl SqliteLease {
         out
     }
 
+    /// One try of a settlement, fenced on the lease token; returns the rows it changed.
+    async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<u64> {
+        self.settle
+            .run(
+                &self.warm,
+                &self.pool,
+                &self.file,
+                self.table.name(),
+                settle,
+                Fence::Lease(token),
+            )
+            .await
+    }
+
     fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {
         move |e| SqlxBrokerError::statement(self.table.name(), name, e)
     }
@@ -151,17 +173,20 @@ impl LeaseStrategy for SqliteLease {
     ) -> Result<Vec<ClaimedRow<Sqlite>>> {
         let _turn = self.file.write_turn().await;
         let from = self.cursor.as_ref().map(GroupCursor::get);
-        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
-            .bind(now_ms)
-            .bind(expires_ms)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX));
-        if let Some(from) = &from {
-            q = q.bind(from.clone());
-        }
-        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
-        let rows = q.fetch_all(&mut *conn).await;
-        kept_after(&self.warm, conn, rows.is_ok());
-        let rows = rows.map_err(self.err("claim"))?;
+        let rows = retrying(|| async {
+            let mut q = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
+                .bind(now_ms)
+                .bind(expires_ms)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+            if let Some(from) = &from {
+                q = q.bind(from.clone());
+            }
+            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let rows = q.fetch_all(&mut *conn).await;
+            self.warm.keep_if(conn, rows.is_ok());
+            rows.map_err(self.err("claim"))
+        })
+        .await?;
         // Fewer rows than asked for: the table looks drained, and kept connections go back to
         // the pool (so do those of acks until a claim fills again).
         self.warm.claimed(rows.len() == limit);
@@ -179,39 +204,36 @@ impl LeaseStrategy for SqliteLease {
     }
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
-        let _turn = self.file.write_turn().await;
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.renew.clone()))
-            .bind(expires_ms)
-            .bind(id)
-            .bind(token.expires_ms)
-            .bind(token.attempt)
-            .execute(&self.pool)
-            .await
-            .map_err(self.err("renew"))?;
+        let done = settle_retrying(token.expires_ms - LEASE_MARGIN_MS, || async {
+            let _turn = self.file.write_turn().await;
+            sqlx::query(sqlx::AssertSqlSafe(self.renew.clone()))
+                .bind(expires_ms)
+                .bind(id)
+                .bind(token.expires_ms)
+                .bind(token.attempt)
+                .execute(&self.pool)
+                .await
+                .map_err(self.err("renew"))
+        })
+        .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn settle(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
-        let changed = self
-            .settle
-            .run(
-                &self.warm,
-                &self.pool,
-                &self.file,
-                self.table.name(),
-                settle,
-                Fence::Lease(token),
-            )
-            .await?;
+        let changed = settle_retrying(token.expires_ms - LEASE_MARGIN_MS, || {
+            self.settle_once(token, settle)
+        })
+        .await?;
         Ok(changed == 1)
     }
 
     /// One `DELETE .. RETURNING` (an `UPDATE` where the table keeps acked rows) in one write
     /// turn; one row goes as the per-row ack.
     async fn ack_many(&self, acks: &[(i64, LeaseToken)], now_ms: i64) -> Result<Option<Vec<i64>>> {
+        // One try: the engine acks each row alone, with retries, when this fails.
         if let [(id, token)] = acks {
             let settle = Settle::lease_ack(*id, *token, now_ms);
-            let acked = self.settle(*token, settle).await?;
+            let acked = self.settle_once(*token, settle).await? == 1;
             return Ok(Some(acked.then_some(*id).into_iter().collect()));
         }
         let mut q = sqlx::query(sqlx::AssertSqlSafe(self.ack_many_sql(acks.len()))).bind(now_ms);
@@ -221,7 +243,7 @@ impl LeaseStrategy for SqliteLease {
         let _turn = self.file.write_turn().await;
         let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
         let rows = q.fetch_all(&mut *conn).await;
-        kept_after(&self.warm, conn, rows.is_ok());
+        self.warm.keep_if(conn, rows.is_ok());
         let rows = rows.map_err(self.err("ack many"))?;
         rows.iter()
             .map(|r| r.try_get::<i64, _>(0).map_err(self.err("ack many")))

@@ -48,7 +48,9 @@
 //! - **Times** are INTEGER unix milliseconds (the DDL helper creates them so).
 //! - **One writer at a time** is SQLite's design: connections use WAL and a 30 s busy timeout,
 //!   and multi-statement writes start with `BEGIN IMMEDIATE`, so workers wait for the writer
-//!   instead of failing with "database is locked".
+//!   instead of failing with "database is locked". A write still busy past the timeout is
+//!   transient (see [`classify`] and [`is_transient`]): claims and settlements run again under
+//!   the core's retry policy, as on the other databases.
 //! - **Advisory keys live in this process**, in one key table per database file (by canonical
 //!   path; an in-memory database by its name). Two processes on one file do not see each other's
 //!   keys, so a row can then be delivered twice: run one process per file in advisory mode, or
@@ -75,6 +77,7 @@ mod version;
 
 pub use backend::{SqliteBackend, SqliteBroker};
 pub use broker_core::api::*;
+pub use sql::{ErrorClass, classify, is_transient};
 /// The sqlx this crate is built on, for your own queries in the same transaction as a job.
 pub use sqlx;
 

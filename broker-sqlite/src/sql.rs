@@ -1,24 +1,69 @@
 //! Quoting and the statement fragments every SQLite strategy shares. Values are always bound,
 //! never pasted: only identifiers (quoted) and the broker's own fragments reach the SQL text.
 
-use broker_core::driver::{Action, LeaseToken, Settle, alias};
+use std::future::Future;
 
-/// What a settlement must still find in the row for it to take effect.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Fence {
-    /// Lease: the token (`?3` expiry, `?4` attempt).
-    Lease(LeaseToken),
-    /// Advisory: the attempt the take wrote (`?3`). The key lock already keeps other claims
-    /// out; this keeps out a settlement still on its way from a delivery whose key was released
-    /// without it (a dropped future's statement can still land after the drop).
-    Attempt(i64),
-}
+use broker_core::driver::{Action, Fence, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
-use crate::backend::{Warm, kept_after, warm_conn};
+use crate::backend::{Warm, warm_conn};
 use crate::fifo;
 use crate::keys::KeyTable;
+
+/// How the broker treats a driver error: the core's classes, which its retry policy reads.
+pub use broker_core::driver::ErrorClass;
+
+/// Classifies a driver error. The one place this crate maps SQLite result codes: busy (5) and
+/// locked (6), with their extended codes, are transient (another writer held the file past the
+/// busy timeout); I/O errors and a pool that cannot hand out a connection are connection
+/// errors; the rest is permanent.
+pub fn classify(err: &sqlx::Error) -> ErrorClass {
+    match err {
+        sqlx::Error::Database(db) => {
+            let code = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+            if matches!(code % 256, 5 | 6) {
+                ErrorClass::Transient
+            } else {
+                ErrorClass::Permanent
+            }
+        }
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+            ErrorClass::Connection
+        }
+        _ => ErrorClass::Permanent,
+    }
+}
+
+/// Runs `work` under the core's policy for errors the database undid
+/// ([`retry::transient`](broker_core::driver::retry::transient)): busy or locked past the busy
+/// timeout, so a claim that met another writer is not reported as a failed claim. Only for
+/// work that a failed try leaves unchanged (one statement in autocommit, or a transaction that
+/// rolled back).
+pub(crate) async fn retrying<T, F, Fut>(work: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    broker_core::driver::retry::transient_by(classify, work).await
+}
+
+/// Runs a fenced settlement (or renewal) `work` under the core's policy for fenced statements
+/// ([`retry::fenced`](broker_core::driver::retry::fenced)): again after a lost connection while
+/// the host's clock is before `deadline_ms`.
+pub(crate) async fn settle_retrying<T, F, Fut>(deadline_ms: i64, work: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    broker_core::driver::retry::fenced_by(classify, deadline_ms, work).await
+}
+
+/// Whether `error` is transient on SQLite: busy or locked past the busy timeout, or a lost
+/// connection (see [`classify`]). Claims are retried by the subscription engine on their own.
+pub fn is_transient(error: &SqlxBrokerError) -> bool {
+    broker_core::driver::retry::is_transient(classify, error)
+}
 
 /// Quotes an identifier in backticks, a backtick inside doubled. Not in double quotes: SQLite
 /// reads a double-quoted name that matches no column as a string literal, so a misspelt column
@@ -48,7 +93,7 @@ pub(crate) struct Statements {
     pub(crate) order: String,
     /// What a claim returns: the whole row plus the broker's aliases. `attempt_expr` is the
     /// attempt before the claim.
-    returning_tail: String,
+    aliases_tail: String,
 }
 
 impl Statements {
@@ -86,13 +131,13 @@ impl Statements {
         order.extend(due);
         order.push(id.clone());
         let order = order.join(", ");
-        let mut returning_tail = format!(", {id} AS {}", alias::ID);
+        let mut aliases_tail = format!(", {id} AS {}", alias::ID);
         if let Some((p, _)) = t.payload() {
-            returning_tail.push_str(&format!(", {} AS {}", ident(p), alias::PAYLOAD));
+            aliases_tail.push_str(&format!(", {} AS {}", ident(p), alias::PAYLOAD));
         }
         // The due time (unix ms), for the time from a row's due time to its handler's start.
         if let Some(c) = t.due_at() {
-            returning_tail.push_str(&format!(", {} AS {}", ident(c), alias::DUE));
+            aliases_tail.push_str(&format!(", {} AS {}", ident(c), alias::DUE));
         }
         Self {
             table,
@@ -101,16 +146,19 @@ impl Statements {
             claimable: claimable.join(" AND "),
             claimable_row,
             order,
-            returning_tail,
+            aliases_tail,
         }
     }
 
-    /// `RETURNING` clause of a statement that has just counted the attempt.
-    pub(crate) fn returning_counted(&self) -> String {
+    /// What a claim hands out (its `RETURNING` list): the whole row plus the broker's aliases.
+    /// `counted`: the statement has just added one to the attempt, so the attempt before the
+    /// claim is one less.
+    pub(crate) fn claimed_columns(&self, counted: bool) -> String {
         format!(
-            "RETURNING *{}, {} - 1 AS {}",
-            self.returning_tail,
+            "*{}, {}{} AS {}",
+            self.aliases_tail,
             self.attempt,
+            if counted { " - 1" } else { "" },
             alias::ATTEMPT
         )
     }
@@ -193,7 +241,7 @@ impl SettleStatements {
         let _turn = file.write_turn().await;
         let mut conn = warm_conn(warm, pool, table).await?;
         let done = self.run_on(&mut conn, table, settle, fence).await;
-        kept_after(warm, conn, done.is_ok());
+        warm.keep_if(conn, done.is_ok());
         done
     }
 
@@ -211,6 +259,7 @@ impl SettleStatements {
                 .bind(settle.id)
                 .bind(value);
             match fence {
+                Fence::None => q,
                 Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
                 Fence::Attempt(attempt) => q.bind(attempt),
             }

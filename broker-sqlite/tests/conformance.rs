@@ -25,7 +25,11 @@ impl broker_testkit::TestDb for Sqlite {
     }
 
     async fn key_is_held(broker: &SqliteBroker, key: &str) -> bool {
-        broker.backend().is_key_held(key)
+        broker
+            .backend()
+            .is_key_held(key)
+            .await
+            .expect("probe the key")
     }
 
     async fn kill_connections(_broker: &SqliteBroker) -> Option<usize> {

@@ -308,6 +308,31 @@ pub struct LeaseToken {
     pub attempt: i64,
 }
 
+/// What a settlement must still find in the row for it to take effect: the fence its statements
+/// check, the same on every backend. A backend binds the values after the settlement's own
+/// parameters (id, then the time it writes), in the order given here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// Row lock: the claim's transaction holds the row; nothing to check.
+    None,
+    /// Lease: the token (expiry, then attempt).
+    Lease(LeaseToken),
+    /// Advisory: the attempt the take wrote. The key lock keeps other claims out while it is
+    /// held; this keeps out a settlement from a delivery whose key was released under it (its
+    /// session ended, or a dropped future's statement landed after the drop).
+    Attempt(i64),
+}
+
+impl Fence {
+    /// The lease token, in lease mode.
+    pub fn token(self) -> Option<LeaseToken> {
+        match self {
+            Self::Lease(token) => Some(token),
+            Self::None | Self::Attempt(_) => None,
+        }
+    }
+}
+
 /// What a row lock claim hands out: the open transaction and the row it locked.
 pub type RowLockClaim<DB> = (RowTransaction<DB>, ClaimedRow<DB>);
 

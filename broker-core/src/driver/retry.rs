@@ -9,6 +9,47 @@ use std::time::Duration;
 
 use super::ErrorClass;
 use super::clock;
+use crate::{Result as BrokerResult, SqlxBrokerError};
+
+/// How a backend's `classify` sorts its driver errors (each backend exports one).
+pub type Classify = fn(&sqlx::Error) -> ErrorClass;
+
+/// The class of a broker error under a backend's `classify`: by its driver error, if it has
+/// one; an error the broker made itself is permanent.
+pub fn class_of(classify: Classify, error: &SqlxBrokerError) -> ErrorClass {
+    error.sqlx_source().map_or(ErrorClass::Permanent, classify)
+}
+
+/// Whether a broker error is worth trying again under a backend's `classify`: one the
+/// database undid, or a lost connection. What every backend's public `is_transient` answers.
+pub fn is_transient(classify: Classify, error: &SqlxBrokerError) -> bool {
+    class_of(classify, error) != ErrorClass::Permanent
+}
+
+/// [`transient`] for work that fails with a broker error, classified by the backend's
+/// `classify`: what a backend wraps each claim statement in.
+pub async fn transient_by<T, F, Fut>(classify: Classify, work: F) -> BrokerResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = BrokerResult<T>>,
+{
+    transient(|e: &SqlxBrokerError| class_of(classify, e), work).await
+}
+
+/// [`fenced`] for work that fails with a broker error, classified by the backend's
+/// `classify`: what a backend wraps each fenced settlement and renewal in.
+pub async fn fenced_by<T, F, Fut>(classify: Classify, deadline_ms: i64, work: F) -> BrokerResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = BrokerResult<T>>,
+{
+    fenced(
+        |e: &SqlxBrokerError| class_of(classify, e),
+        deadline_ms,
+        work,
+    )
+    .await
+}
 
 /// How many times a statement the server undid runs again before its error is returned.
 pub const TRANSIENT_RETRIES: u32 = 3;

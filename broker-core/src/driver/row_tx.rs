@@ -291,6 +291,18 @@ impl<C: Send + 'static> WarmConnections<C> {
         self.len() == 0
     }
 
+    /// After statements on `conn`: kept for the next ones when they went well (`ok`); when they
+    /// failed, it and every kept connection go back to the pool (the server may have dropped
+    /// them all). What every backend does around a statement on a kept connection.
+    pub fn keep_if(&self, conn: C, ok: bool) {
+        if ok {
+            self.keep(conn);
+        } else {
+            drop(conn);
+            self.release();
+        }
+    }
+
     /// Gives every kept connection back to the pool (a claim failed, or a subscription stops).
     pub fn release(&self) {
         let give_back = std::mem::take(&mut self.lock().idle);

@@ -186,26 +186,11 @@ pub(crate) fn app_name(broker: &PgBroker) -> String {
 
 /// Whether any session in the broker's database holds the advisory key `key` now.
 pub(crate) async fn key_is_held(broker: &PgBroker, key: &str) -> bool {
-    let database = broker
-        .pool()
-        .connect_options()
-        .get_database()
-        .unwrap_or_default()
-        .to_owned();
-    let mut admin = admin().await;
-    let held = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks AS l \
-         WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
-         AND l.database = (SELECT oid FROM pg_database WHERE datname = $2) \
-         AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0))",
-    )
-    .bind(key)
-    .bind(database)
-    .fetch_one(&mut admin)
-    .await
-    .expect("probe pg_locks");
-    let _ = admin.close().await;
-    held
+    broker
+        .backend()
+        .is_key_held(key)
+        .await
+        .expect("probe the key")
 }
 
 /// Terminates every session of the broker's pool (by its application name) from another
