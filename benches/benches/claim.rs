@@ -5,9 +5,10 @@
 //! Each sample fills a table of its own with the sample's rows plus a warm-up, starts the
 //! engine's subscription or the raw loop's tasks, and times only the rows after the warm-up.
 //! Narrow the matrix with the binary's flags in `SQLX_BROKER_BENCH_ARGS` (e.g.
-//! `SQLX_BROKER_BENCH_ARGS="--db sqlite --mode lease" cargo bench -p benches`), or with
-//! criterion's name filter (`cargo bench -p benches -- postgres/lease`). A selected database that
-//! is unreachable fails the bench with the same message as the binary. Under
+//! `SQLX_BROKER_BENCH_ARGS="--db sqlite --mode lease" cargo bench --manifest-path
+//! benches/Cargo.toml`), or with criterion's name filter (`cargo bench --manifest-path
+//! benches/Cargo.toml -- postgres/lease`). A selected database that is unreachable fails the
+//! bench with the same message as the binary. Under
 //! `cargo test --benches` each benchmark runs once, without a warm-up, as a smoke test.
 
 use std::time::Duration;

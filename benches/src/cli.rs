@@ -168,11 +168,34 @@ pub struct Args {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FifoGroups(pub Vec<usize>);
 
-fn parse_db(s: &str) -> Result<Db, String> {
+/// The servers' URLs as the bench binaries other than the runner take them (`--pg-url`,
+/// `--mysql-url`, or the environment the conformance suite reads); flattened into each one's
+/// arguments so the flags and their defaults are written once.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerUrls {
+    /// PostgreSQL.
+    #[arg(
+        long,
+        env = "SQLX_BROKER_PG_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    pub pg_url: String,
+    /// MariaDB or MySQL.
+    #[arg(
+        long,
+        env = "SQLX_BROKER_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    pub mysql_url: String,
+}
+
+/// A database's name on the command line (`--db`).
+pub fn parse_db(s: &str) -> Result<Db, String> {
     Db::parse(s).ok_or_else(|| format!("\"{s}\" is not one of sqlite, postgres, mariadb"))
 }
 
-fn parse_claim_mode(s: &str) -> Result<ClaimMode, String> {
+/// A claim mode's name on the command line (`--mode`).
+pub fn parse_claim_mode(s: &str) -> Result<ClaimMode, String> {
     parse_mode(s).ok_or_else(|| format!("\"{s}\" is not one of rowlock, lease, advisory"))
 }
 

@@ -22,6 +22,43 @@ pub fn load_average() -> Option<String> {
     (fields.len() == 3).then(|| fields.join(" "))
 }
 
+/// Removes a SQLite database file and its `-wal` and `-shm` files, whichever exist: what a
+/// bench's temporary database leaves.
+pub fn remove_sqlite_files(file: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut p = file.as_os_str().to_owned();
+        p.push(suffix);
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// The 1-minute load average alone (the first of [`load_average`]).
+pub fn load_average_1m() -> Option<String> {
+    load_average()?.split(' ').next().map(str::to_owned)
+}
+
+/// The CPU model and memory, where the platform tells (Linux).
+pub fn machine() -> Option<String> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let model = cpu
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))?
+        .trim_start_matches([' ', '\t', ':'])
+        .to_owned();
+    let mem = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = mem
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(format!(
+        "{model}, {} GiB",
+        (kib + 512 * 1024) / (1024 * 1024)
+    ))
+}
+
 /// The number of CPUs the process may run on.
 pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)

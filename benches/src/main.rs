@@ -1,4 +1,5 @@
-//! The bench binary: `cargo run -p benches --release -- --quick` (see `--help`).
+//! The bench binary: `cargo run --manifest-path benches/Cargo.toml --release -- --quick` (see
+//! `--help`).
 
 use std::process::ExitCode;
 

@@ -6,10 +6,10 @@ use std::time::Instant;
 use crate::BoxError;
 use crate::cli::Options;
 use crate::drain::{RunLimits, RunResult};
-use crate::peer;
 use crate::report::{self, Report, ScenarioReport, fmt_rate};
 use crate::scenario::Db;
 use crate::target::{Side, Target, Urls};
+use crate::{host, peer};
 
 /// Connects to every selected database first, so an unreachable one fails the run before
 /// anything is measured. The error names the database, its URL and how to leave it out.
@@ -44,40 +44,12 @@ pub async fn connect_all(dbs: &[Db], urls: &Urls) -> Result<Vec<Target>, BoxErro
     Ok(targets)
 }
 
-/// The system's 1-minute load average, where the platform tells (Linux).
-fn load_average() -> Option<String> {
-    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
-    s.split_whitespace().next().map(str::to_owned)
-}
-
-/// The CPU model and memory, where the platform tells (Linux).
-fn machine() -> Option<String> {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let model = cpu
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))?
-        .trim_start_matches([' ', '\t', ':'])
-        .to_owned();
-    let mem = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: u64 = mem
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some(format!(
-        "{model}, {} GiB",
-        (kib + 512 * 1024) / (1024 * 1024)
-    ))
-}
-
 /// Runs what `options` select; `log` gets a line per finished measurement.
 pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxError> {
     let started = Instant::now();
     let profile = &options.profile;
     let urls = Urls::from_env();
-    let load_start = load_average();
+    let load_start = host::load_average_1m();
     let targets = connect_all(&options.filter.used_dbs(), &urls).await?;
     let mut report = Report {
         profile: profile.name.to_owned(),
@@ -221,9 +193,9 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
     report.notes = vec![
         format!(
             "machine: {cores} cores ({}); 1-minute load average {} at start, {} at end (other builds and tests may have been running)",
-            machine().unwrap_or_else(|| "?".into()),
+            host::machine().unwrap_or_else(|| "?".into()),
             load_start.unwrap_or_else(|| "?".into()),
-            load_average().unwrap_or_else(|| "?".into())
+            host::load_average_1m().unwrap_or_else(|| "?".into())
         ),
         format!(
             "{} rows per run (a tenth, at least one batch per worker, is warm-up), {} repetition(s) per side (median reported), time cap {:.1} s per run",

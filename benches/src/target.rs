@@ -15,6 +15,7 @@ use sqlx::{Database, FromRow};
 
 use crate::BoxError;
 use crate::drain::{self, Row, RunLimits, RunResult};
+use crate::host::remove_sqlite_files;
 use crate::scenario::{Db, Scenario};
 use crate::timed::Timed;
 use crate::{handwritten, peer};
@@ -272,14 +273,6 @@ impl Target {
         if let Target::Sqlite { file, .. } = &self {
             remove_sqlite_files(file);
         }
-    }
-}
-
-fn remove_sqlite_files(file: &std::path::Path) {
-    for suffix in ["", "-wal", "-shm"] {
-        let mut p = file.as_os_str().to_owned();
-        p.push(suffix);
-        let _ = std::fs::remove_file(PathBuf::from(p));
     }
 }
 

@@ -2,7 +2,8 @@
 //! as a ratio to the plain table in the same run, and how one claim's time grows with the
 //! table. See `benches::backlog`.
 //!
-//! `cargo run -p benches --release --bin backlog -- --quick` (see `--help`).
+//! `cargo run --manifest-path benches/Cargo.toml --release --bin backlog -- --quick` (see
+//! `--help`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use benches::BoxError;
 use benches::backlog::{self, Shape, ShapeResult, Sizes};
+use benches::cli::ServerUrls;
 use benches::scenario::{Db, Scenario, mode_key};
 use broker_core::Broker;
 use broker_mysql::MySqlBackend;
@@ -40,37 +42,16 @@ struct Args {
     #[arg(long)]
     no_growth: bool,
     /// Where to write `backlog-{quick,full}.md` and `.svg`.
-    #[arg(long, default_value = "benches/results")]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     out: PathBuf,
-    /// PostgreSQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_PG_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    pg_url: String,
-    /// MariaDB or MySQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    servers: ServerUrls,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("start the tokio runtime");
-    match runtime.block_on(run(&args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    benches::block_on(run(&args))
 }
 
 /// The sizes of a shape on a database.
@@ -100,17 +81,17 @@ macro_rules! with_broker {
     ($db:expr, $args:expr, $b:ident => $body:expr) => {
         match $db {
             Db::Postgres => {
-                let $b: Broker<PgBackend> = PgBackend::connect(&$args.pg_url)
+                let $b: Broker<PgBackend> = PgBackend::connect(&$args.servers.pg_url)
                     .await
-                    .map_err(|e| format!("PostgreSQL at {}: {e}", $args.pg_url))?;
+                    .map_err(|e| format!("PostgreSQL at {}: {e}", $args.servers.pg_url))?;
                 let out = $body;
                 $b.close().await;
                 out
             }
             Db::MariaDb => {
-                let $b: Broker<MySqlBackend> = MySqlBackend::connect(&$args.mysql_url)
+                let $b: Broker<MySqlBackend> = MySqlBackend::connect(&$args.servers.mysql_url)
                     .await
-                    .map_err(|e| format!("MariaDB at {}: {e}", $args.mysql_url))?;
+                    .map_err(|e| format!("MariaDB at {}: {e}", $args.servers.mysql_url))?;
                 let out = $body;
                 $b.close().await;
                 out

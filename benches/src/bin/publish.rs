@@ -1,7 +1,7 @@
 //! Publishing on PostgreSQL: single-job publishes from several tasks against a hand-written
 //! `INSERT`, and publish → handler latency across processes.
 //!
-//! `cargo run -p benches --release --bin publish` (see `--help`).
+//! `cargo run --manifest-path benches/Cargo.toml --release --bin publish` (see `--help`).
 //!
 //! - **Throughput**: `tasks` tasks each publish one job per call until `jobs` are in, three ways
 //!   in the same run on the same table shape: `queue.publish`, a hand-written
@@ -16,8 +16,10 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use benches::BoxError;
+use benches::host::unix_us;
 use broker_core::{ColumnType, NewJob, Outcome, Payload, SubscribeOptions, TableDescription};
 use broker_postgres::{PgBackend, PgBroker};
 use clap::Parser;
@@ -53,24 +55,11 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("start the tokio runtime");
-    let result = match &args.subscriber {
-        Some(table) => runtime.block_on(subscriber(&args.url, table)),
-        None => runtime.block_on(bench(&args)),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    match &args.subscriber {
+        Some(table) => benches::block_on(subscriber(&args.url, table)),
+        None => benches::block_on(bench(&args)),
     }
 }
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn table(name: &str) -> TableDescription {
     TableDescription::builder(name)
@@ -78,13 +67,6 @@ fn table(name: &str) -> TableDescription {
         .locked_until("locked_until")
         .build()
         .expect("the bench table's description is valid")
-}
-
-fn now_us() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros())
-        .unwrap_or(0)
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -207,7 +189,7 @@ async fn latency(args: &Args, broker: &PgBroker, t: TableDescription) -> Result<
     for _ in 0..args.samples {
         // Let the subscriber go idle, so only a notification can wake it before its poll.
         tokio::time::sleep(Duration::from_millis(60)).await;
-        queue.publish(NewJob::new(now_us().to_string())).await?;
+        queue.publish(NewJob::new(unix_us().to_string())).await?;
         let line =
             tokio::task::block_in_place(|| lines.next()).ok_or("the subscriber ended early")??;
         samples.push(line.trim().parse::<f64>()? / 1000.0);
@@ -236,8 +218,8 @@ async fn subscriber(url: &str, name: &str) -> Result<(), BoxError> {
         .subscribe(
             SubscribeOptions::new().poll_interval(Duration::from_secs(3600)),
             |job| {
-                let sent: u128 = job.payload().0.parse().unwrap_or(0);
-                println!("{}", now_us().saturating_sub(sent));
+                let sent: i64 = job.payload().0.parse().unwrap_or(0);
+                println!("{}", unix_us().saturating_sub(sent).max(0));
                 async { Outcome::Ack }
             },
         )

@@ -17,7 +17,7 @@
 //! (many rows/s over one rows/s; want: about 1). Prints a markdown table and writes
 //! `benches/results/queues.md`.
 //!
-//! `cargo run -p benches --release --bin queues` (see `--help`).
+//! `cargo run --manifest-path benches/Cargo.toml --release --bin queues` (see `--help`).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use benches::BoxError;
 use benches::Timed;
+use benches::cli::ServerUrls;
 use benches::drain::{self, Row};
 use benches::host;
 use benches::scenario::Db;
@@ -80,35 +81,14 @@ struct Args {
     /// Print only.
     #[arg(long)]
     no_write: bool,
-    /// PostgreSQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_PG_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    pg_url: String,
-    /// MariaDB or MySQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    servers: ServerUrls,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("start the tokio runtime");
-    match runtime.block_on(run(&args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    benches::block_on(run(&args))
 }
 
 /// What one database measured.
@@ -230,7 +210,7 @@ fn app_name(role: &str) -> String {
 }
 
 async fn on_postgres(args: &Args) -> Result<DbResult, BoxError> {
-    let base = PgConnectOptions::from_str(&args.pg_url)?;
+    let base = PgConnectOptions::from_str(&args.servers.pg_url)?;
     let pool = |role: &str, size: u32| {
         PgPoolOptions::new()
             .max_connections(size)
@@ -257,7 +237,7 @@ async fn on_postgres(args: &Args) -> Result<DbResult, BoxError> {
 }
 
 async fn on_mariadb(args: &Args) -> Result<DbResult, BoxError> {
-    let options = MySqlBackend::connect_options(&args.mysql_url)?;
+    let options = MySqlBackend::connect_options(&args.servers.mysql_url)?;
     let pool = |size: u32| {
         MySqlPoolOptions::new()
             .max_connections(size)
@@ -310,9 +290,7 @@ async fn on_sqlite(args: &Args) -> Result<DbResult, BoxError> {
     for p in [consumer, single, publisher] {
         p.close().await;
     }
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
-    }
+    benches::host::remove_sqlite_files(&file);
     out
 }
 

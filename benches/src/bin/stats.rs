@@ -2,13 +2,15 @@
 //! rows, the first 200,000 scheduled an hour ahead) on each database, filled, analyzed, and
 //! `stats()` called a few times; prints the median time of a call and what it read.
 //!
-//! `cargo run -p benches --release --bin stats -- [--db postgres,mariadb,sqlite] [--rows N]`
+//! `cargo run --manifest-path benches/Cargo.toml --release --bin stats --
+//! [--db postgres,mariadb,sqlite] [--rows N]`
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use benches::BoxError;
 use benches::backlog::{self, Shape};
+use benches::cli::ServerUrls;
 use benches::scenario::Db;
 use broker_core::{Backend, Broker, ClaimMode, QueueStats};
 use broker_mysql::MySqlBackend;
@@ -29,20 +31,9 @@ struct Args {
     /// Calls to time.
     #[arg(long, default_value_t = 5)]
     calls: usize,
-    /// PostgreSQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_PG_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    pg_url: String,
-    /// MariaDB or MySQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    servers: ServerUrls,
 }
 
 /// Fills the table, then times `stats()`; returns the median and the last reading.
@@ -106,13 +97,13 @@ async fn run(args: &Args) -> Result<(), BoxError> {
         let db = Db::parse(name).ok_or_else(|| format!("unknown database {name:?}"))?;
         let (median, s) = match db {
             Db::Postgres => {
-                let b = PgBackend::connect(&args.pg_url).await?;
+                let b = PgBackend::connect(&args.servers.pg_url).await?;
                 let out = measure(&b, db, args).await;
                 b.close().await;
                 out?
             }
             Db::MariaDb => {
-                let b = MySqlBackend::connect(&args.mysql_url).await?;
+                let b = MySqlBackend::connect(&args.servers.mysql_url).await?;
                 let out = measure(&b, db, args).await;
                 b.close().await;
                 out?
@@ -123,9 +114,7 @@ async fn run(args: &Args) -> Result<(), BoxError> {
                 let b = SqliteBackend::connect(&format!("sqlite://{}", file.display())).await?;
                 let out = measure(&b, db, args).await;
                 b.close().await;
-                for suffix in ["", "-wal", "-shm"] {
-                    let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
-                }
+                benches::host::remove_sqlite_files(&file);
                 out?
             }
         };
@@ -137,15 +126,5 @@ async fn run(args: &Args) -> Result<(), BoxError> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("start the tokio runtime");
-    match runtime.block_on(run(&args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    benches::block_on(run(&args))
 }

@@ -31,8 +31,8 @@
 //! first minute to its last with memory flat, with vacuum on and held back; an overload run of 2
 //! minutes keeping 0.9 or more of its first 10 s's rate.
 //!
-//! `cargo run -p benches --release --bin steady -- --db postgres --rate 2000 --seconds 60`
-//! (see `--help`).
+//! `cargo run --manifest-path benches/Cargo.toml --release --bin steady -- --db postgres --rate
+//! 2000 --seconds 60` (see `--help`).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -42,9 +42,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use benches::BoxError;
-use benches::host::{self, unix_us};
+use benches::cli::{ServerUrls, parse_claim_mode, parse_db};
+use benches::host::{self, remove_sqlite_files, unix_us};
 use benches::lag::LagHistogram;
-use benches::scenario::{Db, mode_key, parse_mode};
+use benches::scenario::{Db, mode_key};
 use broker_core::{
     Backend, Broker, ClaimMode, ColumnType, Outcome, SubscribeOptions, TableDescription,
 };
@@ -129,20 +130,9 @@ struct Args {
     /// Print only.
     #[arg(long)]
     no_write: bool,
-    /// PostgreSQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_PG_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
-    pg_url: String,
-    /// MariaDB or MySQL.
-    #[arg(
-        long,
-        env = "SQLX_BROKER_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
-    mysql_url: String,
+    /// The servers.
+    #[command(flatten)]
+    servers: ServerUrls,
     /// Internal: run as the producer process, inserting into this table.
     #[arg(long, hide = true)]
     produce: Option<String>,
@@ -151,30 +141,11 @@ struct Args {
     sqlite_file: Option<PathBuf>,
 }
 
-fn parse_db(s: &str) -> Result<Db, String> {
-    Db::parse(s).ok_or_else(|| format!("\"{s}\" is not one of sqlite, postgres, mariadb"))
-}
-
-fn parse_claim_mode(s: &str) -> Result<ClaimMode, String> {
-    parse_mode(s).ok_or_else(|| format!("\"{s}\" is not one of rowlock, lease, advisory"))
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("start the tokio runtime");
-    let result = match args.produce.clone() {
-        Some(table) => runtime.block_on(produce(&args, &table)),
-        None => runtime.block_on(guarded(args)),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    match args.produce.clone() {
+        Some(table) => benches::block_on(async move { produce(&args, &table).await }),
+        None => benches::block_on(guarded(args)),
     }
 }
 
@@ -226,7 +197,7 @@ fn sqlite_file() -> PathBuf {
 async fn guarded(args: Args) -> Result<(), BoxError> {
     let vacuum = match (&args.vacuum, args.db) {
         (None, _) => None,
-        (Some(v), Db::Postgres) => Some(Autovacuum::set(&args.pg_url, v == "on").await?),
+        (Some(v), Db::Postgres) => Some(Autovacuum::set(&args.servers.pg_url, v == "on").await?),
         (Some(_), db) => {
             return Err(format!(
                 "--vacuum is for PostgreSQL; {} has no autovacuum",
@@ -293,23 +264,17 @@ async fn interrupted() -> &'static str {
     }
 }
 
-fn remove_sqlite_files(file: &Path) {
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
-    }
-}
-
 /// Drops what an interrupted or failed run left, on a connection of its own.
 async fn drop_tables(args: &Args, names: &[String]) -> Result<(), BoxError> {
     for name in names {
         let sql = format!("DROP TABLE IF EXISTS {}", quote(args.db, name));
         match args.db {
             Db::Postgres => {
-                let mut c = PgConnection::connect(&args.pg_url).await?;
+                let mut c = PgConnection::connect(&args.servers.pg_url).await?;
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut c).await?;
             }
             Db::MariaDb => {
-                let mut c = MySqlConnection::connect(&args.mysql_url).await?;
+                let mut c = MySqlConnection::connect(&args.servers.mysql_url).await?;
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut c).await?;
             }
             // The file goes as a whole.
@@ -492,16 +457,16 @@ impl Side {
             Db::Postgres => Side::Postgres(
                 PgPoolOptions::new()
                     .max_connections(2)
-                    .connect(&args.pg_url)
+                    .connect(&args.servers.pg_url)
                     .await
-                    .map_err(|e| format!("PostgreSQL at {}: {e}", args.pg_url))?,
+                    .map_err(|e| format!("PostgreSQL at {}: {e}", args.servers.pg_url))?,
             ),
             Db::MariaDb => Side::MariaDb(
                 MySqlPoolOptions::new()
                     .max_connections(2)
-                    .connect_with(MySqlBackend::connect_options(&args.mysql_url)?)
+                    .connect_with(MySqlBackend::connect_options(&args.servers.mysql_url)?)
                     .await
-                    .map_err(|e| format!("MariaDB at {}: {e}", args.mysql_url))?,
+                    .map_err(|e| format!("MariaDB at {}: {e}", args.servers.mysql_url))?,
             ),
             Db::Sqlite => {
                 let file = sqlite_file();
@@ -580,7 +545,7 @@ impl Side {
         let count = AssertSqlSafe(format!("SELECT COUNT(*) FROM {}", quote(self.db(), table)));
         Ok(match self {
             Side::Postgres(_) => {
-                let mut c = PgConnection::connect(&args.pg_url).await?;
+                let mut c = PgConnection::connect(&args.servers.pg_url).await?;
                 sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
                     .execute(&mut c)
                     .await?;
@@ -597,9 +562,10 @@ impl Side {
                 (Held::Postgres(c), what)
             }
             Side::MariaDb(_) => {
-                let mut c =
-                    MySqlConnection::connect_with(&MySqlBackend::connect_options(&args.mysql_url)?)
-                        .await?;
+                let mut c = MySqlConnection::connect_with(&MySqlBackend::connect_options(
+                    &args.servers.mysql_url,
+                )?)
+                .await?;
                 sqlx::raw_sql("START TRANSACTION WITH CONSISTENT SNAPSHOT")
                     .execute(&mut c)
                     .await?;
@@ -857,13 +823,13 @@ async fn bench(args: Args, tables: Arc<Mutex<Vec<String>>>) -> Result<(), BoxErr
     let side = Side::connect(&args).await?;
     let result = match args.db {
         Db::Postgres => {
-            let broker = PgBackend::connect(&args.pg_url).await?;
+            let broker = PgBackend::connect(&args.servers.pg_url).await?;
             let r = measure(&args, &broker, &side, &tables).await;
             broker.close().await;
             r
         }
         Db::MariaDb => {
-            let broker = MySqlBackend::connect(&args.mysql_url).await?;
+            let broker = MySqlBackend::connect(&args.servers.mysql_url).await?;
             let r = measure(&args, &broker, &side, &tables).await;
             broker.close().await;
             r
@@ -1220,7 +1186,7 @@ fn start_producer(args: &Args, table: &str, rate: f64) -> Result<Producer, BoxEr
                 .args(["-R", &format!("{rate:.1}"), "-T", &args.seconds.to_string()])
                 .args(["-c", &args.producers.to_string()])
                 .args(["-j", &args.producers.clamp(1, 2).to_string()])
-                .arg(&args.pg_url);
+                .arg(&args.servers.pg_url);
             script = Some(path);
         }
         Db::MariaDb | Db::Sqlite => {
@@ -1234,7 +1200,7 @@ fn start_producer(args: &Args, table: &str, rate: f64) -> Result<Producer, BoxEr
                     &args.seconds.to_string(),
                 ])
                 .args(["--producers", &args.producers.to_string()])
-                .args(["--mysql-url", &args.mysql_url])
+                .args(["--mysql-url", &args.servers.mysql_url])
                 .arg("--sqlite-file")
                 .arg(sqlite_file());
         }
@@ -1334,7 +1300,8 @@ async fn produce(args: &Args, table: &str) -> Result<(), BoxError> {
     }
     let pool = match args.db {
         Db::MariaDb => {
-            let options: MySqlConnectOptions = MySqlBackend::connect_options(&args.mysql_url)?;
+            let options: MySqlConnectOptions =
+                MySqlBackend::connect_options(&args.servers.mysql_url)?;
             Pool::My(
                 MySqlPoolOptions::new()
                     .max_connections(args.producers.max(1))
