@@ -376,7 +376,11 @@ where
                 h.last_claim_error = Some(e);
             }
             None if h.claim_errors_in_a_row == 0 => {}
-            None => *h = Health::default(),
+            // Only the claim errors clear: the concurrency and warnings stay what they were.
+            None => {
+                h.claim_errors_in_a_row = 0;
+                h.last_claim_error = None;
+            }
         }
         h.claim_errors_in_a_row
     }

@@ -399,7 +399,7 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
     .await;
     let health = sub.health();
     assert!(!health.is_healthy());
-    let last = health.last_claim_error.expect("the last error");
+    let last = health.last_claim_error.clone().expect("the last error");
     assert!(last.contains(fx.table.name()), "{last}");
     // After 50, 100 and 200 ms the waits are 400 and 800 ms: a poll-interval retry would fail
     // about 20 more times in this second.
@@ -416,6 +416,13 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
         async move { h.is_healthy() }
     })
     .await;
+    // Recovery clears the claim errors only: what the subscription runs at stays.
+    let after = sub.health();
+    assert_eq!(
+        (after.concurrency, after.last_claim_error),
+        (health.concurrency, None),
+        "health after claims work again"
+    );
     sub.shutdown().await;
     fx.cleanup().await;
 }
