@@ -87,6 +87,9 @@ impl PgBackend {
              AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database()) \
              AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0))",
         )
+        // Behind a transaction-mode pooler the server session is shared: a named statement
+        // would clash with another client's of the same name.
+        .persistent(self.prepared())
         .bind(key)
         .fetch_one(&mut conn)
         .await
