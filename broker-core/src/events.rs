@@ -43,6 +43,20 @@ pub enum EngineEvent<'a> {
         /// When the settlement was through.
         at: SystemTime,
     },
+    /// A claim counted attempt `attempt` of row `id`, but no handler runs it: the claim's
+    /// reply came back after half the lease had gone by, so the row went back (lease mode).
+    /// The next delivery of the row reads a later attempt, and a row whose last attempt went
+    /// this way is dead-lettered by its next claim without a delivery.
+    ClaimLost {
+        /// The queue table.
+        table: &'a str,
+        /// The row id.
+        id: i64,
+        /// The attempt the delivery would have reported.
+        attempt: i64,
+        /// When the claim returned.
+        at: SystemTime,
+    },
 }
 
 /// A process-wide observer of [`EngineEvent`]s. It runs on the engine's tasks: keep it short

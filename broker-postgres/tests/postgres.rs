@@ -12,6 +12,7 @@ use broker_core::{
     TableDescription,
 };
 use broker_postgres::{ErrorClass, classify};
+use broker_testkit::history::{Expect, Final, History, Recorded};
 use broker_testkit::{Fixture, Job, JobText, claim_one, wait_until};
 use common::{Pg, app_name};
 use sqlx::{Connection, Executor};
@@ -690,6 +691,8 @@ mod case {
         let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b.lease_seconds(1)).await;
         let q = fx.queue().await;
         let id = q.publish(fx.job(1)).await.unwrap();
+        // The history checker learns of the lost attempt from the engine's report alone.
+        let history = History::new(fx.table.name());
         let table = format!("\"{}\"", fx.table.name());
         let function = format!("\"{}_stall\"", fx.table.name());
         let exec = |sql: String| {
@@ -727,7 +730,18 @@ mod case {
         }
         let d = next.expect("the row runs on a later claim");
         assert_eq!((d.id(), d.attempt()), (id, 2));
+        let at = history.start(0, d.id(), d.attempt(), None, None, d.lease_expires_ms());
         d.ack().await.expect("ack");
+        history.finish(at, Recorded::Ack);
+        let expect = Expect {
+            mode: ClaimMode::Lease,
+            fifo: false,
+            max_attempts: fx.table.max_attempts(),
+            finals: [(id, Final::Gone)].into(),
+        };
+        history
+            .check(&expect)
+            .expect("the engine reported the attempt the late claim counted");
         exec(format!("DROP FUNCTION {function}()")).await;
         fx.cleanup().await;
     }

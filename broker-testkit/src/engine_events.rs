@@ -3,9 +3,10 @@
 //! `Claimed` one for each delivery a claim returns (with when the claim began). The process's
 //! observer keeps those events, so a fault injector can tell, per delivery, whether its
 //! settlement was through when it struck (the history checker marks only those that were not),
-//! and whether the fault came while the claim that delivered it was in flight. A child process
-//! prints its settlements for its parent instead (children are only ever killed whole, so their
-//! claims do not matter).
+//! and whether the fault came while the claim that delivered it was in flight. A `ClaimLost`
+//! event (a lease claim whose reply came too late) tells the checker that an attempt was counted
+//! with no handler. A child process prints its settlements and lost claims for its parent
+//! instead (children are only ever killed whole, so their claims do not matter).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +17,9 @@ use broker_core::events::EngineEvent;
 
 /// The line a child prints when a settlement went through: `@@D <table> <id> <attempt> <unix µs>`.
 pub(crate) const SETTLED_LINE: &str = "@@D ";
+/// The line a child prints when a claim counted an attempt that no handler runs (see
+/// [`EngineEvent::ClaimLost`]): `@@L <table> <id> <attempt> <unix µs>`.
+pub(crate) const LOST_LINE: &str = "@@L ";
 
 type Key = (String, i64, i64);
 
@@ -34,6 +38,12 @@ type Claims = Mutex<HashMap<Key, Vec<(String, i64, i64)>>>;
 fn claimed() -> &'static Claims {
     static CLAIMED: OnceLock<Claims> = OnceLock::new();
     CLAIMED.get_or_init(Default::default)
+}
+
+/// When claims counted each attempt that no handler runs (unix µs).
+fn lost_claims() -> &'static Times {
+    static LOST: OnceLock<Times> = OnceLock::new();
+    LOST.get_or_init(Default::default)
 }
 
 static PRINT: AtomicBool = AtomicBool::new(false);
@@ -76,6 +86,18 @@ pub(crate) fn observe(event: &EngineEvent<'_>) {
                 note(table, id, attempt, micros(at));
             }
         }
+        EngineEvent::ClaimLost {
+            table,
+            id,
+            attempt,
+            at,
+        } => {
+            if print {
+                println!("{LOST_LINE}{table} {id} {attempt} {}", micros(at));
+            } else {
+                note_lost(table, id, attempt, micros(at));
+            }
+        }
         EngineEvent::Claimed {
             table,
             subscription,
@@ -103,6 +125,28 @@ pub(crate) fn note(table_name: &str, id: i64, attempt: i64, micros: i64) {
         .entry((table_name.to_owned(), id, attempt))
         .or_default()
         .push(micros);
+}
+
+/// Notes a claim that counted attempt `attempt` of row `id` but runs no handler (reported by
+/// this process's engine or by a child).
+pub(crate) fn note_lost(table_name: &str, id: i64, attempt: i64, micros: i64) {
+    lost_claims()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry((table_name.to_owned(), id, attempt))
+        .or_default()
+        .push(micros);
+}
+
+/// Every (row id, attempt) of `table_name` that a claim counted but no handler ran.
+pub(crate) fn lost(table_name: &str) -> std::collections::BTreeSet<(i64, i64)> {
+    lost_claims()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .keys()
+        .filter(|(t, _, _)| t == table_name)
+        .map(|(_, id, attempt)| (*id, *attempt))
+        .collect()
 }
 
 /// What `map` holds for delivery `attempt` of row `id` of `table_name`.

@@ -353,6 +353,12 @@ pub(crate) async fn claim<B: Backend>(
         shared.metrics.add(Counter::Claimed, n);
         shared.metrics.add(Counter::LeaseLost, n);
         for row in rows {
+            crate::events::emit(|| crate::events::EngineEvent::ClaimLost {
+                table: shared.name(),
+                id: row.id,
+                attempt: row.attempt,
+                at: std::time::SystemTime::now(),
+            });
             drop(LeaseHold {
                 strategy: mode.strategy.clone(),
                 acks: mode.acks.clone(),

@@ -16,7 +16,7 @@ use broker_core::{
 };
 
 use super::faults::{CHILD_ENV, spawn_child};
-use crate::engine_events::{self, SETTLED_LINE};
+use crate::engine_events::{self, LOST_LINE, SETTLED_LINE};
 use crate::history::{Expect, Final, History, Marked, Recorded, unix_micros};
 use crate::{JobText, TestDb, unique_name, wait_until};
 
@@ -250,6 +250,14 @@ impl ChildBroker {
                 } else if let Some(at) = line.find(SETTLED_LINE) {
                     let f: Vec<&str> = line[at + SETTLED_LINE.len()..].split(' ').collect();
                     engine_events::note(
+                        f[0],
+                        f[1].parse().expect("an id"),
+                        f[2].parse().expect("an attempt"),
+                        f[3].parse().expect("a time"),
+                    );
+                } else if let Some(at) = line.find(LOST_LINE) {
+                    let f: Vec<&str> = line[at + LOST_LINE.len()..].split(' ').collect();
+                    engine_events::note_lost(
                         f[0],
                         f[1].parse().expect("an id"),
                         f[2].parse().expect("an attempt"),

@@ -2,7 +2,7 @@
 //! only the check can find), then every invariant in turn, each broken one reported unless the
 //! table of excuses says a fault explains it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -23,6 +23,9 @@ pub(super) struct Run<'a> {
     pub(super) records: &'a [Record],
     /// Each row's deliveries, in claim order (see [`claim_order`]).
     pub(super) by_id: BTreeMap<i64, Vec<&'a Record>>,
+    /// The (row id, attempt) of each claim the engine reported lost: it counted the attempt and
+    /// ran no handler (a lease claim whose reply came back too late).
+    pub(super) lost: BTreeSet<(i64, i64)>,
 }
 
 impl Run<'_> {
@@ -38,6 +41,12 @@ impl Run<'_> {
     pub(super) fn unseen_claim(&self, from: Duration, to: Duration) -> bool {
         self.mode() != ClaimMode::RowLock
             && self.faults.iter().any(|f| f.from <= to && f.to >= from)
+    }
+
+    /// Whether the engine reported every attempt of row `id` in `attempts` counted by a claim
+    /// that ran no handler (an empty range: true).
+    pub(super) fn lost_claims(&self, id: i64, attempts: std::ops::Range<i64>) -> bool {
+        attempts.into_iter().all(|a| self.lost.contains(&(id, a)))
     }
 
     /// Whether the fault that reached `r` freed what held it (row lock: the transaction died;
@@ -88,6 +97,7 @@ impl History {
             faults: &faults,
             records: &records,
             by_id,
+            lost: crate::engine_events::lost(&self.table),
         };
         let judged = INVARIANTS
             .iter()

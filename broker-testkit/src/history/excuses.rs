@@ -37,6 +37,9 @@ pub enum Excuse {
     /// attempts no handler saw; the row's next claim may have dead-lettered it without a
     /// delivery.
     UnseenClaim,
+    /// Lease: the engine reported the missing attempts counted by claims whose replies came
+    /// back after half their leases had gone by; those rows went back with no handler run.
+    LostClaim,
 }
 
 /// Which fault, if any, excuses `violation` in `run`: the one table of exceptions to the
@@ -66,11 +69,23 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
         } => excused(
             *database == Some(Final::Dead) && run.unseen_claim(first.start, second.start),
             Excuse::UnseenClaim,
-        ),
+        )
+        .or_else(|| {
+            excused(
+                *database == Some(Final::Dead) && lost_the_rest(run, first),
+                Excuse::LostClaim,
+            )
+        }),
         Violation::FirstAttemptNotOne { delivery } => excused(
             run.unseen_claim(Duration::ZERO, delivery.start),
             Excuse::UnseenClaim,
-        ),
+        )
+        .or_else(|| {
+            excused(
+                run.lost_claims(delivery.id, 1..delivery.attempt),
+                Excuse::LostClaim,
+            )
+        }),
         Violation::RunAfterFinished { first, second } => {
             excused(first.cut.is_some(), Excuse::SettlementCut).or_else(|| {
                 excused(
@@ -95,6 +110,12 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
                 second.attempt > *expected && run.unseen_claim(first.start, second.start),
                 Excuse::UnseenClaim,
             )
+        })
+        .or_else(|| {
+            excused(
+                second.attempt > *expected && run.lost_claims(first.id, *expected..second.attempt),
+                Excuse::LostClaim,
+            )
         }),
         // After the last delivery, claims no handler saw (a killed process's prefetched rows)
         // or a cut settlement can spend the row's last attempts; its next claim then
@@ -108,7 +129,13 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
             (said.is_none() || (*said == Some(Final::Gone) && last.cut.is_some()))
                 && run.unseen_claim(last.start, Duration::MAX),
             Excuse::UnseenClaim,
-        ),
+        )
+        .or_else(|| {
+            excused(
+                said.is_none() && lost_the_rest(run, last),
+                Excuse::LostClaim,
+            )
+        }),
         Violation::SettlementLost { .. }
         | Violation::StillRunning { .. }
         | Violation::RowNeverDelivered { .. }
@@ -128,4 +155,14 @@ pub(super) fn claimed_earlier(b: &Record, a: &Record) -> bool {
         && a.claim.is_some()
         && b.claim_began() < a.claim_began()
         && b.cut_from.is_some_and(|from| a.claim_returned() >= from)
+}
+
+/// Whether lost claims (see [`Excuse::LostClaim`]) counted every attempt of `last`'s row after
+/// `last` up to the table's maximum, so the row's next claim dead-lettered it without a
+/// delivery.
+fn lost_the_rest(run: &Run<'_>, last: &Record) -> bool {
+    run.expect.max_attempts.is_some_and(|max| {
+        let max = i64::from(max);
+        last.attempt < max && run.lost_claims(last.id, last.attempt + 1..max + 1)
+    })
 }

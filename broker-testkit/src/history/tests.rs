@@ -838,3 +838,95 @@ fn an_outcome_the_database_does_not_hold_is_excused_only_by_a_claim_no_one_saw()
         "SettlementLost",
     );
 }
+
+/// Reports, as the engine does, that a claim counted `attempt` of row `id` of `h`'s table and
+/// ran no handler.
+fn lost(h: &History, id: i64, attempt: i64) {
+    crate::engine_events::observe(&EngineEvent::ClaimLost {
+        table: &h.table,
+        id,
+        attempt,
+        at: SystemTime::now(),
+    });
+}
+
+#[test]
+fn attempts_a_lost_claim_counted_are_excused_by_its_event_and_only_those() {
+    // Attempt 2 of row 1 went to a claim whose reply came too late: the next delivery reads 3.
+    let skipped = || {
+        vec![
+            plain(1, 1, 0, 10, Some(Recorded::Error)),
+            plain(1, 3, 20, 30, Some(Recorded::Ack)),
+        ]
+    };
+    found_alone(
+        &history(skipped()),
+        &unordered(ClaimMode::Lease, GONE),
+        "AttemptMiscounted",
+    );
+    let h = history(skipped());
+    lost(&h, 1, 2);
+    excused(
+        &h,
+        &unordered(ClaimMode::Lease, GONE),
+        "AttemptMiscounted",
+        Excuse::LostClaim,
+    );
+    // A lost claim of another attempt, or of another row, excuses nothing.
+    for (id, attempt) in [(1, 1), (1, 3), (2, 2)] {
+        let h = history(skipped());
+        lost(&h, id, attempt);
+        found_alone(&h, &unordered(ClaimMode::Lease, GONE), "AttemptMiscounted");
+    }
+    // Two attempts skipped need both lost.
+    let two_skipped = vec![
+        plain(1, 1, 0, 10, Some(Recorded::Error)),
+        plain(1, 4, 20, 30, Some(Recorded::Ack)),
+    ];
+    let h = history(two_skipped.clone());
+    lost(&h, 1, 2);
+    found_alone(&h, &unordered(ClaimMode::Lease, GONE), "AttemptMiscounted");
+    let h = history(two_skipped);
+    lost(&h, 1, 2);
+    lost(&h, 1, 3);
+    h.check(&unordered(ClaimMode::Lease, GONE)).unwrap();
+
+    // The first delivery reads 2: attempt 1 was lost.
+    let h = history(vec![plain(1, 2, 10, 20, Some(Recorded::Ack))]);
+    lost(&h, 1, 1);
+    excused(
+        &h,
+        &unordered(ClaimMode::Lease, GONE),
+        "FirstAttemptNotOne",
+        Excuse::LostClaim,
+    );
+}
+
+#[test]
+fn a_row_whose_last_attempts_lost_claims_counted_may_end_dead_without_a_delivery() {
+    // max_attempts 3: attempt 2 retried, attempt 3 lost, and the next claim dead-lettered it.
+    let records = || {
+        vec![
+            plain(1, 1, 0, 10, Some(Recorded::Retry)),
+            plain(1, 2, 10, 20, Some(Recorded::Retry)),
+        ]
+    };
+    let dead = &[(1, Final::Dead)];
+    found_alone(
+        &history(records()),
+        &unordered(ClaimMode::Lease, dead),
+        "SettlementLost",
+    );
+    let h = history(records());
+    lost(&h, 1, 3);
+    excused(
+        &h,
+        &unordered(ClaimMode::Lease, dead),
+        "SettlementLost",
+        Excuse::LostClaim,
+    );
+    // A row that should be gone is not excused by a lost claim.
+    let h = history(vec![plain(1, 1, 0, 10, Some(Recorded::Ack))]);
+    lost(&h, 1, 2);
+    found_alone(&h, &unordered(ClaimMode::Lease, dead), "SettlementLost");
+}
