@@ -98,6 +98,15 @@ struct ClaimLoop<B: Backend, T> {
 }
 
 /// Runs a subscription until it or the broker stops, then shuts it down.
+/// The number under which [`Health`] keeps the loop's own read of the pause while it waits:
+/// claims are numbered from 1.
+const PAUSE_READ: u64 = 0;
+
+/// The health state, whatever a panic elsewhere left in it.
+fn lock(health: &Mutex<Health>) -> std::sync::MutexGuard<'_, Health> {
+    health.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub(super) async fn run<B, T>(
     queue: Arc<QueueInner<B>>,
     options: SubscribeOptions,
@@ -122,6 +131,11 @@ where
             None
         }
     };
+    // Reading whether pauses can be watched waits on the database as a claim does: health
+    // shows it (as the loop's own read, numbered 0; claims count from 1).
+    lock(&health).claim_began(PAUSE_READ);
+    let pause = PauseWatch::new(&shared).await;
+    lock(&health).claim_returned(PAUSE_READ);
     let plan = Plan::new(&options, &table, pool_size(&queue));
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let mut claim_loop = ClaimLoop {
@@ -147,7 +161,7 @@ where
         reports_tx,
         reports,
         tasks: JoinSet::new(),
-        pause: PauseWatch::new(&shared).await,
+        pause,
         broker_stop: shared.broker.shutdown.subscribe(),
         stop,
     };
@@ -179,9 +193,13 @@ where
     /// Claims until the subscription or the broker stops.
     async fn run(&mut self) {
         while !self.stopped() {
-            self.pause
-                .refresh(&self.engine.queue.shared, self.engine.options.poll_interval)
-                .await;
+            if self.pause.control {
+                lock(&self.engine.health).claim_began(PAUSE_READ);
+                self.pause
+                    .refresh(&self.engine.queue.shared, self.engine.options.poll_interval)
+                    .await;
+                lock(&self.engine.health).claim_returned(PAUSE_READ);
+            }
             let wait = self.happen(Happened::Ready {
                 paused: self.pause.paused,
                 claim_errors: self.engine.claim_errors_in_a_row(),
@@ -250,6 +268,7 @@ where
         let e = self.engine.clone();
         self.happen(Happened::ClaimStarted);
         let seq = self.machine.seq();
+        lock(&self.engine.health).claim_began(seq);
         let mut reporter = Reporter {
             tx: Some(self.reports_tx.clone()),
             seq,
@@ -260,6 +279,7 @@ where
                 let result =
                     delivery::claim::<B, T>(&e.queue, permits.num_permits(), Some(&e.options.name))
                         .await;
+                lock(&e.health).claim_returned(seq);
                 let (claimed, mut rows) = e.sort_claim(result, permits, freed);
                 let first = (!rows.is_empty()).then(|| rows.remove(0));
                 reporter.send(ClaimReport {

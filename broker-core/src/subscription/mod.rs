@@ -23,7 +23,9 @@ mod state;
 mod timing;
 mod work;
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use sqlx::{Database, FromRow};
 use tokio::sync::watch;
@@ -60,6 +62,8 @@ pub struct ShutdownReport {
 pub struct Subscription {
     stop: watch::Sender<bool>,
     health: Arc<Mutex<Health>>,
+    /// How long a claim may wait before [`Health::claim_waiting_for`] reports it.
+    poll_interval: Duration,
     decode: Arc<Mutex<crate::warnings::DecodeHealth>>,
     task: Option<tokio::task::JoinHandle<ShutdownReport>>,
     metrics: Arc<dyn Fn() -> MetricsSnapshot + Send + Sync>,
@@ -91,6 +95,7 @@ impl Subscription {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
+        h.read_waiting(self.poll_interval);
         let d = self.decode.lock().unwrap_or_else(|p| p.into_inner());
         h.decode_errors_in_a_row = d.in_a_row;
         h.last_decode_error.clone_from(&d.last);
@@ -128,6 +133,10 @@ impl Drop for Subscription {
     }
 }
 
+/// The shortest wait of a claim that [`Health::claim_waiting_for`] reports, whatever the poll
+/// interval: a claim on a busy server or behind a cold connection may take a moment.
+const CLAIM_WAIT_FLOOR: Duration = Duration::from_secs(1);
+
 /// What a subscription's claims look like now (see [`Subscription::health`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -147,13 +156,46 @@ pub struct Health {
     /// What works but should be fixed, one sentence each with the fix: a concurrency or claim
     /// limit lowered to fit the pool, a claim index missing (from [`Queue::warnings`](crate::Queue::warnings)).
     pub warnings: Vec<String>,
+    /// How long the oldest claim in flight (or the read of the queue's pause that comes before
+    /// claims) has waited, once that is longer than the poll
+    /// interval and at least a second (a busy server may take a moment): the database answers
+    /// no claim (a server down or failing over, a pool with no connection to give, a lock on
+    /// the table). `None` while claims come back in time. A claim that waits shows here before
+    /// it fails and counts in `claim_errors_in_a_row`.
+    pub claim_waiting_for: Option<Duration>,
+    /// When each claim in flight began, by the loop's claim count (0: the pause read).
+    claims_in_flight: BTreeMap<u64, Instant>,
 }
 
 impl Health {
     /// Whether the last claim worked and the last claimed row decoded. Warnings do not make a
     /// subscription unhealthy.
     pub fn is_healthy(&self) -> bool {
-        self.claim_errors_in_a_row == 0 && self.decode_errors_in_a_row == 0
+        self.claim_errors_in_a_row == 0
+            && self.decode_errors_in_a_row == 0
+            && self.claim_waiting_for.is_none()
+    }
+
+    /// Notes that the claim counted `seq` began now.
+    pub(crate) fn claim_began(&mut self, seq: u64) {
+        self.claims_in_flight.insert(seq, Instant::now());
+    }
+
+    /// Notes that the claim counted `seq` returned.
+    pub(crate) fn claim_returned(&mut self, seq: u64) {
+        self.claims_in_flight.remove(&seq);
+    }
+
+    /// Fills in [`claim_waiting_for`](Self::claim_waiting_for): the oldest claim in flight, if
+    /// it has waited longer than `poll_interval` and [`CLAIM_WAIT_FLOOR`].
+    fn read_waiting(&mut self, poll_interval: Duration) {
+        let limit = poll_interval.max(CLAIM_WAIT_FLOOR);
+        self.claim_waiting_for = self
+            .claims_in_flight
+            .values()
+            .min()
+            .map(Instant::elapsed)
+            .filter(|waited| *waited > limit);
     }
 }
 
@@ -200,6 +242,7 @@ where
     let decode = queue.shared.decode.clone();
     let running = queue.shared.broker.engine_started();
     let engine_health = health.clone();
+    let poll_interval = options.poll_interval;
     let task = tokio::spawn(async move {
         let _running = running;
         claim_loop::run(queue, options, handler, stop_rx, engine_health).await
@@ -207,6 +250,7 @@ where
     Ok(Subscription {
         stop,
         health,
+        poll_interval,
         decode,
         task: Some(task),
         metrics,
@@ -223,6 +267,7 @@ mod tests {
         let sub = Subscription {
             stop,
             health: Arc::default(),
+            poll_interval: Duration::from_secs(1),
             decode: Arc::default(),
             task: Some(tokio::spawn(async { panic!("the engine broke") })),
             metrics: Arc::new(MetricsSnapshot::default),

@@ -12,7 +12,7 @@ pub(super) struct PauseWatch {
     pub(super) paused: bool,
     /// Whether the control table existed when the subscription started; without it nothing
     /// can pause the queue, and nothing is read.
-    control: bool,
+    pub(super) control: bool,
     read_at: Option<tokio::time::Instant>,
     /// The broker's pause counter at the last read.
     epoch: u64,

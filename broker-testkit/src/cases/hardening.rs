@@ -427,6 +427,46 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
     fx.cleanup().await;
 }
 
+/// A claim the database does not answer shows in the subscription's health while it waits,
+/// before it fails: here the pool has no connection to give (every one is taken), as when a
+/// server is down and connecting hangs. Once connections come back the claim returns and the
+/// health clears.
+pub async fn a_claim_that_waits_shows_in_health_before_it_fails<D: TestDb>() {
+    let fx = lease_fixture::<D>().await;
+    let q = fx.queue().await;
+    let pool = fx.broker.pool();
+    let mut taken = Vec::new();
+    for _ in 0..pool.options().get_max_connections() {
+        taken.push(pool.acquire().await.expect("a connection of the pool"));
+    }
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_millis(50)),
+            |_job| async { Outcome::Ack },
+        )
+        .expect("subscribe");
+    wait_until(
+        "the waiting claim in health",
+        Duration::from_secs(20),
+        || {
+            let h = sub.health();
+            async move { h.claim_waiting_for.is_some() }
+        },
+    )
+    .await;
+    let h = sub.health();
+    assert!(!h.is_healthy(), "a claim waits: {h:?}");
+    drop(taken);
+    wait_until("the claim to return", Duration::from_secs(20), || {
+        let h = sub.health();
+        async move { h.is_healthy() }
+    })
+    .await;
+    assert_eq!(sub.health().claim_waiting_for, None);
+    sub.shutdown().await;
+    fx.cleanup().await;
+}
+
 /// Table and column names longer than the database keeps are refused when the queue is
 /// prepared and before DDL runs, naming the name and the limit; where the database keeps long
 /// names (SQLite), the same description works and its dead-letter table stays its own.
