@@ -7,7 +7,8 @@
 //! holds one connection for wake-ups, not fifty, and a subscription holds nothing at idle.
 //!
 //! # Which connection
-//! The listening connection is opened with the pool's connect options in a pool of one of its
+//! The listening connection is opened with the pool's connect options, as they are at each
+//! connect (so it follows a pool that moved to a promoted standby), in a pool of one of its
 //! own, so it never takes a connection of the user's pool: it is one more server connection per
 //! backend (per broker), counted against the server's `max_connections`, not the pool's size.
 //! It closes when the user's pool closes or the backend is dropped.
@@ -221,12 +222,27 @@ fn own_pool(user: &PgPool) -> PgPool {
         .connect_lazy_with((*user.connect_options()).clone())
 }
 
+/// Points the listening pool at the server the user's pool connects to now, if that changed
+/// since `seen`: a pool that follows the primary ([`PgBackend::connect_primary`]) moves to a
+/// promoted standby, and the next `LISTEN` connection must go there too, not to the old host.
+///
+/// [`PgBackend::connect_primary`]: crate::PgBackend::connect_primary
+fn follow(user: &PgPool, own: &PgPool, seen: &mut Arc<sqlx::postgres::PgConnectOptions>) {
+    let now = user.connect_options();
+    if !Arc::ptr_eq(&now, seen) {
+        own.set_connect_options((*now).clone());
+        *seen = now;
+    }
+}
+
 /// How long one attempt to open the listening connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The first wait before connecting again; it doubles up to [`BACKOFF_MAX`].
+/// The first wait before connecting again; it doubles up to [`BACKOFF_MAX`]. The most is short:
+/// after a failover the connection should listen on the new primary soon after the user's pool
+/// moved, and an attempt costs one connect.
 const BACKOFF_START: Duration = Duration::from_millis(250);
-const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Opens the listening connection, checks that its statements reach one server session, and
 /// listens on every registered channel; returns it with the channels it listens on.
@@ -264,6 +280,7 @@ async fn run(
     off: Arc<OnceLock<String>>,
 ) {
     let pool = own_pool(&user);
+    let mut seen = user.connect_options();
     let closed = user.close_event();
     tokio::pin!(closed);
     let mut listener: Option<PgListener> = None;
@@ -274,6 +291,9 @@ async fn run(
     // Whether the connection was up before: a reconnect wakes every registration once.
     let mut was_up = false;
     loop {
+        // Before every connect, and before every read (sqlx connects again by itself when the
+        // connection drops while it reads).
+        follow(&user, &pool, &mut seen);
         let Some(l) = listener.as_mut() else {
             match connect(&pool, &wakers).await {
                 Ok((l, channels)) => {

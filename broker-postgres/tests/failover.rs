@@ -92,6 +92,55 @@ fn take_primary_down(down: Down) {
     assert!(status.success(), "take the primary down ({down:?})");
 }
 
+/// After the failover, a row published through `publisher` wakes a subscription of
+/// `subscriber` (another broker) at once, though its poll is 30 s away: the listening
+/// connection listens on the new primary.
+async fn wake_ups_follow_the_move(
+    publisher: &broker_core::Broker<PgBackend>,
+    subscriber: &broker_core::Broker<PgBackend>,
+    name: &str,
+) {
+    let table = describe(&format!("{name}_wake"), ClaimMode::Lease)
+        .build()
+        .unwrap();
+    publisher.create_tables(&table).await.unwrap();
+    let (tx, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    let sub = subscriber
+        .queue::<Job>(table.clone())
+        .await
+        .unwrap()
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_secs(30)),
+            move |job: broker_core::Job<Job>| {
+                let tx = tx.clone();
+                async move {
+                    let _ = tx.send(job.id());
+                    Ok::<_, BoxError>(Outcome::Ack)
+                }
+            },
+        )
+        .unwrap();
+    // Longer than the listening connection waits between connects, so the wake-up of its
+    // reconnect is over: only a notification can wake the subscription now.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let id = publisher
+        .queue::<Job>(table.clone())
+        .await
+        .unwrap()
+        .publish(NewJob::new("wake"))
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), heard.recv()).await;
+    assert_eq!(
+        got.ok().flatten(),
+        Some(id),
+        "a row published on the promoted primary did not wake a subscription whose poll is 30 s \
+         away: LISTEN was not re-established there"
+    );
+    sub.shutdown().await;
+    publisher.drop_tables(&table).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn brokers_follow_a_promoted_standby_and_lose_no_row() {
     // Lease with the primary killed, as a crash does; row lock with a clean stop (its
@@ -223,6 +272,9 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
             history.finished_rows(None)
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if mode == ClaimMode::Lease {
+        wake_ups_follow_the_move(&first, &brokers[0].0, &name).await;
     }
     let mut per_broker = Vec::new();
     let mut shutdowns = Vec::new();

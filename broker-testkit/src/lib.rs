@@ -95,7 +95,7 @@ macro_rules! conformance_suite {
                 a_take_whose_read_fails_spends_no_attempt,
                 option_values_the_engine_cannot_run_with_are_refused,
                 claims_that_keep_failing_back_off_and_show_in_health,
-                a_claim_that_waits_shows_in_health_before_it_fails,
+                a_statement_that_waits_shows_in_health_before_it_fails,
                 names_longer_than_the_database_keeps_are_refused,
                 a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
             );

@@ -19,7 +19,7 @@ use super::plan::{Plan, pool_size};
 use super::state::{Claimed, Happened, Limits, Machine, Wait};
 use super::timing::claim_backoff;
 use super::work::{Engine, work};
-use super::{Health, ShutdownReport};
+use super::{Health, InFlight, ShutdownReport, Waiting};
 use crate::delivery::{self, Delivery};
 use crate::driver::Backend;
 use crate::error::SqlxBrokerError;
@@ -98,12 +98,8 @@ struct ClaimLoop<B: Backend, T> {
 }
 
 /// Runs a subscription until it or the broker stops, then shuts it down.
-/// The number under which [`Health`] keeps the loop's own read of the pause while it waits:
-/// claims are numbered from 1.
-const PAUSE_READ: u64 = 0;
-
 /// The health state, whatever a panic elsewhere left in it.
-fn lock(health: &Mutex<Health>) -> std::sync::MutexGuard<'_, Health> {
+pub(super) fn lock(health: &Mutex<Health>) -> std::sync::MutexGuard<'_, Health> {
     health.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -132,10 +128,11 @@ where
         }
     };
     // Reading whether pauses can be watched waits on the database as a claim does: health
-    // shows it (as the loop's own read, numbered 0; claims count from 1).
-    lock(&health).claim_began(PAUSE_READ);
-    let pause = PauseWatch::new(&shared).await;
-    lock(&health).claim_returned(PAUSE_READ);
+    // shows it.
+    let pause = {
+        let _timed = InFlight::begin(&health, Waiting::PauseRead);
+        PauseWatch::new(&shared).await
+    };
     let plan = Plan::new(&options, &table, pool_size(&queue));
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let mut claim_loop = ClaimLoop {
@@ -152,6 +149,7 @@ where
             options: Arc::new(options),
             wake,
             freed: std::sync::atomic::AtomicU64::new(0),
+            settlements: std::sync::atomic::AtomicU64::new(0),
             health,
             stop: stop.clone(),
             broker_stop: shared.broker.shutdown.subscribe(),
@@ -194,11 +192,10 @@ where
     async fn run(&mut self) {
         while !self.stopped() {
             if self.pause.control {
-                lock(&self.engine.health).claim_began(PAUSE_READ);
+                let _timed = InFlight::begin(&self.engine.health, Waiting::PauseRead);
                 self.pause
                     .refresh(&self.engine.queue.shared, self.engine.options.poll_interval)
                     .await;
-                lock(&self.engine.health).claim_returned(PAUSE_READ);
             }
             let wait = self.happen(Happened::Ready {
                 paused: self.pause.paused,
@@ -268,7 +265,6 @@ where
         let e = self.engine.clone();
         self.happen(Happened::ClaimStarted);
         let seq = self.machine.seq();
-        lock(&self.engine.health).claim_began(seq);
         let mut reporter = Reporter {
             tx: Some(self.reports_tx.clone()),
             seq,
@@ -276,10 +272,11 @@ where
         self.tasks.spawn(
             async move {
                 let freed = e.freed.load(Ordering::SeqCst);
+                let timed = InFlight::begin(&e.health, Waiting::Claim(seq));
                 let result =
                     delivery::claim::<B, T>(&e.queue, permits.num_permits(), Some(&e.options.name))
                         .await;
-                lock(&e.health).claim_returned(seq);
+                drop(timed);
                 let (claimed, mut rows) = e.sort_claim(result, permits, freed);
                 let first = (!rows.is_empty()).then(|| rows.remove(0));
                 reporter.send(ClaimReport {

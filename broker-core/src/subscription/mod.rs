@@ -62,7 +62,7 @@ pub struct ShutdownReport {
 pub struct Subscription {
     stop: watch::Sender<bool>,
     health: Arc<Mutex<Health>>,
-    /// How long a claim may wait before [`Health::claim_waiting_for`] reports it.
+    /// How long a statement may wait before [`Health::waiting_for_database`] reports it.
     poll_interval: Duration,
     decode: Arc<Mutex<crate::warnings::DecodeHealth>>,
     task: Option<tokio::task::JoinHandle<ShutdownReport>>,
@@ -133,9 +133,12 @@ impl Drop for Subscription {
     }
 }
 
-/// The shortest wait of a claim that [`Health::claim_waiting_for`] reports, whatever the poll
-/// interval: a claim on a busy server or behind a cold connection may take a moment.
-const CLAIM_WAIT_FLOOR: Duration = Duration::from_secs(1);
+/// The shortest wait that [`Health::waiting_for_database`] reports, whatever the poll interval:
+/// a statement on a busy server or behind a cold connection may take a moment.
+const WAIT_FLOOR: Duration = Duration::from_secs(1);
+
+/// Set in the [`Waiting`] number of a settlement.
+const SETTLEMENT_BIT: u64 = 1 << 63;
 
 /// What a subscription's claims look like now (see [`Subscription::health`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -156,15 +159,16 @@ pub struct Health {
     /// What works but should be fixed, one sentence each with the fix: a concurrency or claim
     /// limit lowered to fit the pool, a claim index missing (from [`Queue::warnings`](crate::Queue::warnings)).
     pub warnings: Vec<String>,
-    /// How long the oldest claim in flight (or the read of the queue's pause that comes before
-    /// claims) has waited, once that is longer than the poll
-    /// interval and at least a second (a busy server may take a moment): the database answers
-    /// no claim (a server down or failing over, a pool with no connection to give, a lock on
-    /// the table). `None` while claims come back in time. A claim that waits shows here before
-    /// it fails and counts in `claim_errors_in_a_row`.
-    pub claim_waiting_for: Option<Duration>,
-    /// When each claim in flight began, by the loop's claim count (0: the pause read).
-    claims_in_flight: BTreeMap<u64, Instant>,
+    /// How long the subscription's oldest statement in flight (a claim, a settlement, or the
+    /// read of the queue's pause that comes before claims) has waited for the database, once
+    /// that is longer than the poll interval and at least a second (a busy server may take a
+    /// moment): the database answers nothing (a server down or failing over, a pool with no
+    /// connection to give, a lock on the table). `None` while statements come back in time. A
+    /// claim that waits shows here before it fails and counts in `claim_errors_in_a_row`; a
+    /// settlement that keeps trying after lost connections shows here all along.
+    pub waiting_for_database: Option<Duration>,
+    /// When each statement in flight began, by [`Waiting`] number.
+    in_flight: BTreeMap<u64, Instant>,
 }
 
 impl Health {
@@ -173,29 +177,72 @@ impl Health {
     pub fn is_healthy(&self) -> bool {
         self.claim_errors_in_a_row == 0
             && self.decode_errors_in_a_row == 0
-            && self.claim_waiting_for.is_none()
+            && self.waiting_for_database.is_none()
     }
 
-    /// Notes that the claim counted `seq` began now.
-    pub(crate) fn claim_began(&mut self, seq: u64) {
-        self.claims_in_flight.insert(seq, Instant::now());
+    /// Notes that the statement `what` began now.
+    pub(crate) fn began(&mut self, what: Waiting) {
+        self.in_flight.insert(what.number(), Instant::now());
     }
 
-    /// Notes that the claim counted `seq` returned.
-    pub(crate) fn claim_returned(&mut self, seq: u64) {
-        self.claims_in_flight.remove(&seq);
+    /// Notes that the statement `what` returned.
+    pub(crate) fn returned(&mut self, what: Waiting) {
+        self.in_flight.remove(&what.number());
     }
 
-    /// Fills in [`claim_waiting_for`](Self::claim_waiting_for): the oldest claim in flight, if
-    /// it has waited longer than `poll_interval` and [`CLAIM_WAIT_FLOOR`].
+    /// Fills in [`waiting_for_database`](Self::waiting_for_database): the oldest statement in
+    /// flight, if it has waited longer than `poll_interval` and [`WAIT_FLOOR`].
     fn read_waiting(&mut self, poll_interval: Duration) {
-        let limit = poll_interval.max(CLAIM_WAIT_FLOOR);
-        self.claim_waiting_for = self
-            .claims_in_flight
+        let limit = poll_interval.max(WAIT_FLOOR);
+        self.waiting_for_database = self
+            .in_flight
             .values()
             .min()
             .map(Instant::elapsed)
             .filter(|waited| *waited > limit);
+    }
+}
+
+/// Times a statement in [`Health`] until it drops (also when its future is dropped midway).
+pub(crate) struct InFlight<'a> {
+    health: &'a Mutex<Health>,
+    what: Waiting,
+}
+
+impl<'a> InFlight<'a> {
+    /// Notes that `what` began now, in `health`.
+    pub(crate) fn begin(health: &'a Mutex<Health>, what: Waiting) -> Self {
+        claim_loop::lock(health).began(what);
+        Self { health, what }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        claim_loop::lock(self.health).returned(self.what);
+    }
+}
+
+/// A statement of a subscription that [`Health`] times while it is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Waiting {
+    /// The claim loop's read of the pause.
+    PauseRead,
+    /// The claim the loop counted so ([`state::Machine::seq`]).
+    Claim(u64),
+    /// A delivery's settlement, by a number of the subscription's own.
+    Settlement(u64),
+}
+
+impl Waiting {
+    /// One number per statement: the pause read 0, claims by their count (from 1), settlements
+    /// from the top bit up.
+    fn number(self) -> u64 {
+        match self {
+            Self::PauseRead => 0,
+            Self::Claim(seq) => seq & !SETTLEMENT_BIT,
+            Self::Settlement(n) => n | SETTLEMENT_BIT,
+        }
     }
 }
 

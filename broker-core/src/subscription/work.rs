@@ -9,10 +9,10 @@ use sqlx::{Database, FromRow};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument;
 
-use super::Health;
 use super::handler::{CatchUnwind, Handler, panic_message};
 use super::options::SubscribeOptions;
 use super::timing::claim_backoff;
+use super::{Health, InFlight, Waiting};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{Delivery, Outcome};
 use crate::driver::Backend;
@@ -33,6 +33,8 @@ pub(super) struct Engine<B: Backend, T> {
     /// free, and the wake-up the settlement sent may have gone to a claim that lost the row to
     /// it.
     pub(super) freed: AtomicU64,
+    /// Numbers the settlements [`Health`] times (see [`Waiting::Settlement`]).
+    pub(super) settlements: AtomicU64,
     /// What [`Subscription::health`](super::Subscription::health) reads; claims update it.
     pub(super) health: Arc<Mutex<Health>>,
     /// The subscription's and the broker's stop, read when a delivery leaves work: it counts
@@ -182,7 +184,11 @@ where
             backoff_due(attempt)
         }
     };
-    match delivery.settle(outcome).await {
+    let number = engine.settlements.fetch_add(1, Ordering::Relaxed);
+    let timed = InFlight::begin(&engine.health, Waiting::Settlement(number));
+    let settled = delivery.settle(outcome).await;
+    drop(timed);
+    match settled {
         Err(e) => {
             tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
         }

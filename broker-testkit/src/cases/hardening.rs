@@ -427,11 +427,12 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
     fx.cleanup().await;
 }
 
-/// A claim the database does not answer shows in the subscription's health while it waits,
-/// before it fails: here the pool has no connection to give (every one is taken), as when a
-/// server is down and connecting hangs. Once connections come back the claim returns and the
-/// health clears.
-pub async fn a_claim_that_waits_shows_in_health_before_it_fails<D: TestDb>() {
+/// A statement the database does not answer shows in the subscription's health while it
+/// waits, before it fails. A claim: the pool has no connection to give (every one is taken), as
+/// when a server is down and connecting hangs. A settlement (server databases): the row is
+/// locked by another transaction, so the ack waits. Once the database answers, the health
+/// clears.
+pub async fn a_statement_that_waits_shows_in_health_before_it_fails<D: TestDb>() {
     let fx = lease_fixture::<D>().await;
     let q = fx.queue().await;
     let pool = fx.broker.pool();
@@ -439,30 +440,62 @@ pub async fn a_claim_that_waits_shows_in_health_before_it_fails<D: TestDb>() {
     for _ in 0..pool.options().get_max_connections() {
         taken.push(pool.acquire().await.expect("a connection of the pool"));
     }
+    let (started, mut handlers) = tokio::sync::mpsc::unbounded_channel();
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = release.clone();
     let sub = q
         .subscribe(
             SubscribeOptions::new().poll_interval(Duration::from_millis(50)),
-            |_job| async { Outcome::Ack },
+            move |job: broker_core::Job<D::Job>| {
+                let (started, gate) = (started.clone(), gate.clone());
+                async move {
+                    let _ = started.send(job.id());
+                    gate.acquire().await.expect("the gate stays open").forget();
+                    Outcome::Ack
+                }
+            },
         )
         .expect("subscribe");
-    wait_until(
-        "the waiting claim in health",
-        Duration::from_secs(20),
-        || {
+    let waiting = |what: &'static str| {
+        wait_until(what, Duration::from_secs(20), || {
             let h = sub.health();
-            async move { h.claim_waiting_for.is_some() }
-        },
-    )
-    .await;
-    let h = sub.health();
-    assert!(!h.is_healthy(), "a claim waits: {h:?}");
+            async move { h.waiting_for_database.is_some() && !h.is_healthy() }
+        })
+    };
+    let healthy = |what: &'static str| {
+        wait_until(what, Duration::from_secs(20), || {
+            let h = sub.health();
+            async move { h.is_healthy() && h.waiting_for_database.is_none() }
+        })
+    };
+    waiting("the waiting claim in health").await;
     drop(taken);
-    wait_until("the claim to return", Duration::from_secs(20), || {
-        let h = sub.health();
-        async move { h.is_healthy() }
+    healthy("the claim to return").await;
+
+    // A settlement that waits for a row lock.
+    let id = q.publish(fx.job(1)).await.expect("publish");
+    let ran = tokio::time::timeout(Duration::from_secs(20), handlers.recv())
+        .await
+        .expect("the handler starts");
+    assert_eq!(ran, Some(id));
+    let sql = format!(
+        "SELECT {id_col} FROM {t} WHERE {id_col} = {id} FOR UPDATE",
+        t = D::quote(fx.table.name()),
+        id_col = D::quote(fx.table.id()),
+    );
+    if let Some(lock) = D::hold_row_lock(&fx.broker, &sql).await {
+        release.add_permits(1);
+        waiting("the waiting settlement in health").await;
+        drop(lock);
+    } else {
+        release.add_permits(1);
+    }
+    healthy("the settlement to return").await;
+    wait_until("the row acked", Duration::from_secs(20), || {
+        let q = q.clone();
+        async move { q.row_state(id).await.expect("row state").is_none() }
     })
     .await;
-    assert_eq!(sub.health().claim_waiting_for, None);
     sub.shutdown().await;
     fx.cleanup().await;
 }
