@@ -2,7 +2,8 @@
 //! folders under `SQLX_BROKER_PGFAILOVER_DIR`, default `/tmp/sqlx-broker-pgfailover`): brokers
 //! given both hosts drain a table while the primary goes down (killed with SIGKILL, or stopped
 //! cleanly with `pg_ctl stop -m fast`) and the standby is promoted; the history checker judges
-//! the run. One run per claim mode, one after the other in one test (each starts the pair afresh
+//! the run (the lease run's table has FIFO groups, whose order the checker holds it to). One
+//! run per claim mode, one after the other in one test (each starts the pair afresh
 //! with the script, since the last one promoted the standby, and fails if it cannot).
 
 use std::collections::BTreeMap;
@@ -48,6 +49,11 @@ fn postmaster_pid(node: &str) -> String {
 
 const ROWS: usize = 3_000;
 const BROKERS: usize = 2;
+
+/// The FIFO group of row `i` of the lease run: two rows in three, in 32 groups.
+fn group_of(i: usize) -> Option<String> {
+    (!i.is_multiple_of(3)).then(|| format!("g{}", i % 32))
+}
 
 /// How the primary goes down.
 #[derive(Debug, Clone, Copy)]
@@ -155,9 +161,12 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
     tokio::task::spawn_blocking(start_pair).await.unwrap();
     let urls = [PRIMARY, STANDBY];
     let name = unique_name("failover");
+    // The lease run's table has FIFO groups: the order of each group must hold through the
+    // failover too.
+    let fifo = mode == ClaimMode::Lease;
     let mut builder = describe(&name, mode);
     if mode == ClaimMode::Lease {
-        builder = builder.lease_seconds(2);
+        builder = builder.lease_seconds(2).group("grp").fifo(true);
     }
     let table = builder.build().unwrap();
     let first = PgBackend::connect_primary(&urls, 4).await.unwrap();
@@ -171,6 +180,8 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
                 let job = NewJob::new(format!("job-{i}"));
                 if mode == ClaimMode::Advisory {
                     job.column("k", format!("k{i}"))
+                } else if let Some(group) = group_of(*i).filter(|_| fifo) {
+                    job.group(group)
                 } else {
                     job
                 }
@@ -194,13 +205,15 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
                 move |job: broker_core::Job<Job>| {
                     let h = h.clone();
                     async move {
-                        let _ = job.payload().text();
+                        let i: usize = job.payload().text()["job-".len()..]
+                            .parse()
+                            .expect("a payload this test wrote");
                         let at = h.start(
                             index,
                             job.id(),
                             job.attempt(),
                             job.key().map(str::to_owned),
-                            None,
+                            group_of(i).filter(|_| fifo),
                             job.lease_expires_ms(),
                         );
                         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -303,7 +316,7 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
     }
     let expect = Expect {
         mode,
-        fifo: false,
+        fifo,
         max_attempts: table.max_attempts(),
         finals,
     };

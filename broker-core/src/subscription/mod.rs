@@ -135,7 +135,7 @@ impl Drop for Subscription {
 
 /// The shortest wait that [`Health::waiting_for_database`] reports, whatever the poll interval:
 /// a statement on a busy server or behind a cold connection may take a moment.
-const WAIT_FLOOR: Duration = Duration::from_secs(1);
+const WAIT_FLOOR: Duration = Duration::from_millis(250);
 
 /// Set in the [`Waiting`] number of a settlement.
 const SETTLEMENT_BIT: u64 = 1 << 63;
@@ -161,7 +161,7 @@ pub struct Health {
     pub warnings: Vec<String>,
     /// How long the subscription's oldest statement in flight (a claim, a settlement, or the
     /// read of the queue's pause that comes before claims) has waited for the database, once
-    /// that is longer than the poll interval and at least a second (a busy server may take a
+    /// that is longer than the poll interval and at least 250 ms (a busy server may take a
     /// moment): the database answers nothing (a server down or failing over, a pool with no
     /// connection to give, a lock on the table). `None` while statements come back in time. A
     /// claim that waits shows here before it fails and counts in `claim_errors_in_a_row`; a

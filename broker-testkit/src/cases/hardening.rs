@@ -390,7 +390,11 @@ pub async fn claims_that_keep_failing_back_off_and_show_in_health<D: TestDb>() {
             |_job| async { Outcome::Ack },
         )
         .expect("subscribe");
-    assert!(sub.health().is_healthy());
+    wait_until("the first claims to work", Duration::from_secs(10), || {
+        let h = sub.health();
+        async move { h.is_healthy() }
+    })
+    .await;
     fx.broker.drop_tables(&fx.table).await.unwrap();
     wait_until("three failed claims", Duration::from_secs(10), || {
         let h = sub.health();
