@@ -81,19 +81,28 @@ impl PgBackend {
         let mut conn = PgConnection::connect_with(&self.pool.connect_options())
             .await
             .map_err(err)?;
-        let held = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks AS l \
-             WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
-             AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database()) \
-             AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0))",
-        )
         // Behind a transaction-mode pooler the server session is shared: a named statement
-        // would clash with another client's of the same name.
-        .persistent(self.prepared())
-        .bind(key)
-        .fetch_one(&mut conn)
-        .await
-        .map_err(err);
+        // would clash with another client's of the same name, and an unnamed one is parsed and
+        // run in two exchanges (sqlx syncs after the parse), which the pooler may send to two
+        // server sessions ("unnamed prepared statement does not exist"). A transaction keeps
+        // both on one.
+        let prepared = self.prepared();
+        let probe = async {
+            let mut tx = conn.begin().await?;
+            let held = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks AS l \
+                 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+                 AND l.database = (SELECT d.oid FROM pg_database AS d WHERE d.datname = current_database()) \
+                 AND ((l.classid::int8 << 32) | l.objid::int8) = hashtextextended($1, 0))",
+            )
+            .persistent(prepared)
+            .bind(key)
+            .fetch_one(&mut *tx)
+            .await?;
+            tx.rollback().await?;
+            Ok::<bool, sqlx::Error>(held)
+        };
+        let held = probe.await.map_err(err);
         let _ = conn.close().await;
         held
     }
