@@ -109,6 +109,8 @@ pub struct PgAdvisory {
     take: Arc<str>,
     /// FIFO tables: the guard prefix the take binds.
     guard: Option<String>,
+    /// FIFO tables: the second read of the take's transaction (see `fifo::claim_checked`).
+    recheck: Option<Arc<str>>,
     settle: SettleStatements,
     /// Connections whose key was unlocked (or whose try-lock found the key held), kept for the
     /// next candidate read or try-lock: a pool acquire tests the connection with a round trip
@@ -201,6 +203,10 @@ impl PgAdvisory {
             ),
         };
         let settle = s.settle(&table, false, &format!(" AND q.{} = $3::int8", s.attempt));
+        let recheck = guard
+            .as_ref()
+            .and_then(|_| fifo::no_longer_heads(&table))
+            .map(Arc::from);
         Self {
             pool,
             table,
@@ -209,6 +215,7 @@ impl PgAdvisory {
             candidates_from,
             walk,
             take: take.into(),
+            recheck,
             guard,
             settle,
             warm: WarmConnections::default(),
@@ -222,6 +229,9 @@ impl PgAdvisory {
         }
         if let Some([first, after]) = &self.walk {
             out.extend([("key walk", &**first), ("key walk after", &**after)]);
+        }
+        if let Some(recheck) = &self.recheck {
+            out.push(("fifo recheck", &**recheck));
         }
         out.extend(self.settle.named());
         out
@@ -475,7 +485,9 @@ impl AdvisoryStrategy for PgAdvisory {
     }
 
     /// Takes the row on the lock's connection: counts the attempt and reads the row, only while
-    /// it is still claimable and still has the locked key.
+    /// it is still claimable and still has the locked key. On a FIFO table the take runs in a
+    /// transaction that reads the row's group again once its guard is held, and takes nothing
+    /// when the row is no longer the group's head (see `fifo::claim_checked`).
     ///
     /// # Cancel safety
     /// Not cancel safe: a cancelled take may have counted the attempt; dropping the lock then
@@ -500,11 +512,13 @@ impl AdvisoryStrategy for PgAdvisory {
             if let Some(prefix) = &self.guard {
                 q = q.bind(prefix.clone());
             }
-            match q
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(Failed::new("take"))
-            {
+            let taken = match &self.recheck {
+                Some(recheck) => fifo::claim_checked(&mut *conn, q, recheck, true)
+                    .await
+                    .map(|rows| rows.and_then(|rows| rows.into_iter().next())),
+                None => q.fetch_optional(&mut *conn).await,
+            };
+            match taken.map_err(Failed::new("take")) {
                 Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
                 other => break other.map_err(|e| e.on(self.table.name()))?,
             }

@@ -8,8 +8,25 @@
 //! moment of the claim too, and in row lock mode it lasts as long as the delivery's transaction:
 //! while a head is in work its whole group is skipped before any row of it is even looked at.
 //! Rows without a group are not ordered and take no guard.
+//!
+//! A statement reads the table through the snapshot it took when it began, and the guard is
+//! taken later, inside it. A publish in the caller's transaction holds its groups' guards
+//! (shared) until it commits (see `backend::hold_group_guards`); if it commits between the
+//! claim's snapshot and the claim's guard, the guard is free but the snapshot misses the rows it
+//! added, one of which may have the group's lowest id (ids are drawn before commit), and the
+//! claim would take a later row as the head (issue #35). So the lease claim and the advisory
+//! take run in a READ COMMITTED transaction and, once their guards are held, read the heads
+//! again in a statement of their own ([`claim_checked`]): its fresh snapshot sees every commit
+//! made before the guard was taken. Row lock claims need no second read: their deliveries keep
+//! the guard until they settle, so a row committed late waits for the row in work whichever it
+//! is.
+
+use std::sync::Arc;
 
 use broker_core::TableDescription;
+use broker_core::driver::alias;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row};
 
 use crate::sql::{Statements, ident};
 
@@ -34,6 +51,58 @@ pub(crate) fn head_condition(t: &TableDescription) -> Option<String> {
     Some(format!(
         "NOT EXISTS (SELECT 1 FROM {table} AS h WHERE h.{group} = q.{group} AND h.{id} < q.{id}{unfinished})"
     ))
+}
+
+/// The second read of a FIFO claim ([`claim_checked`]): of the rows whose ids are bound as `$1`
+/// (`int8[]`), those that are no longer the head of their group. Rows without a group are heads.
+pub(crate) fn no_longer_heads(t: &TableDescription) -> Option<String> {
+    let head = head_condition(t)?;
+    Some(format!(
+        "SELECT q.{id}::int8 FROM {table} AS q WHERE q.{id} = ANY($1::int8[]) AND NOT {head}",
+        id = ident(t.id()),
+        table = ident(t.name()),
+    ))
+}
+
+/// How a FIFO claim's transaction begins: READ COMMITTED whatever the server's default, so the
+/// second read takes a snapshot of its own.
+const BEGIN_READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Runs a FIFO `claim` (which takes its groups' guards, locks and changes its rows) in a READ
+/// COMMITTED transaction on `conn`, then [`no_longer_heads`] (`recheck`) on the rows it claimed.
+/// When every row is still a head, commits and returns them; otherwise rolls back (the rows, the
+/// counted attempts and the guards go back as they were) and returns `None`: a later row was
+/// judged the head through a snapshot taken before a row with a lower id committed, and a claim
+/// that runs again sees that row.
+pub(crate) async fn claim_checked(
+    conn: &mut PgConnection,
+    claim: sqlx::query::Query<'static, Postgres, PgArguments>,
+    recheck: &Arc<str>,
+    prepared: bool,
+) -> Result<Option<Vec<PgRow>>, sqlx::Error> {
+    let mut tx = conn.begin_with(BEGIN_READ_COMMITTED).await?;
+    let rows = claim.fetch_all(&mut *tx).await?;
+    if !rows.is_empty() {
+        let ids = rows
+            .iter()
+            .map(|row| row.try_get::<i64, _>(alias::ID))
+            .collect::<Result<Vec<_>, _>>()?;
+        let behind: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(recheck.clone()))
+            .persistent(prepared)
+            .bind(ids)
+            .fetch_all(&mut *tx)
+            .await?;
+        if !behind.is_empty() {
+            tracing::debug!(
+                ?behind,
+                "fifo: a row with a lower id committed before the guard; the claim runs again"
+            );
+            tx.rollback().await?;
+            return Ok(None);
+        }
+    }
+    tx.commit().await?;
+    Ok(Some(rows))
 }
 
 /// The guard key of a table's groups: bound as the prefix of `hashtextextended(prefix || group)`.

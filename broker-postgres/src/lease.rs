@@ -19,6 +19,10 @@ use crate::sql::{
     settle_retrying, ts,
 };
 
+/// How many times a FIFO claim runs when its second read finds a row that is no longer its
+/// group's head (see `fifo::claim_checked`).
+const FIFO_TRIES: usize = 3;
+
 /// The lease strategy of one PostgreSQL table.
 #[derive(Debug)]
 pub struct PgLease {
@@ -34,6 +38,8 @@ pub struct PgLease {
     guard: Option<String>,
     /// FIFO tables: where the next claim starts its visit of the groups.
     cursor: GroupCursor,
+    /// FIFO tables: the second read of the claim's transaction (see `fifo::claim_checked`).
+    recheck: Option<Arc<str>>,
     renew: Arc<str>,
     settle: SettleStatements,
     /// The ack of many rows (see `Statements::lease_ack_many`).
@@ -119,12 +125,17 @@ impl PgLease {
         let fence = format!(" AND q.{lu} = {} AND q.{} = $4::int8", ts("$3"), s.attempt);
         let settle = s.settle(&table, false, &fence);
         let ack_many = s.lease_ack_many(&table, locked_until).into();
+        let recheck = guard
+            .as_ref()
+            .and_then(|_| fifo::no_longer_heads(&table))
+            .map(Arc::from);
         Self {
             pool,
             prepared: true,
             table,
             claim: claim.into(),
             claim_from,
+            recheck,
             guard,
             cursor: GroupCursor::default(),
             renew: renew.into(),
@@ -181,6 +192,9 @@ impl PgLease {
         if let Some(from) = &self.claim_from {
             out.push(("claim from a position", &*from.sql));
         }
+        if let Some(recheck) = &self.recheck {
+            out.push(("fifo recheck", &**recheck));
+        }
         out.extend(self.settle.named());
         out
     }
@@ -202,26 +216,51 @@ impl LeaseStrategy for PgLease {
         position: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
         let from = self.guard.as_ref().map(|_| self.cursor.get());
-        let rows = retrying(|| async {
-            let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-            let bind = |q: sqlx::query::Query<'static, Postgres, _>| {
-                q.bind(now_ms).bind(expires_ms).bind(limit)
-            };
-            let mut q = match (&self.claim_from, position) {
-                (Some(resume), Some(at)) => resume.query(self.prepared, at, bind),
-                _ => bind(query(&self.claim, self.prepared)),
-            };
-            if let (Some(prefix), Some(from)) = (&self.guard, &from) {
-                q = q.bind(from.clone()).bind(prefix.clone());
-            }
-            on_warm(&self.warm, &self.pool, self.prepared, |c| {
-                Box::pin(q.fetch_all(c))
+        let mut tries = 0;
+        let rows = loop {
+            tries += 1;
+            let rows = retrying(|| async {
+                let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+                let bind = |q: sqlx::query::Query<'static, Postgres, _>| {
+                    q.bind(now_ms).bind(expires_ms).bind(limit)
+                };
+                let mut q = match (&self.claim_from, position) {
+                    (Some(resume), Some(at)) => resume.query(self.prepared, at, bind),
+                    _ => bind(query(&self.claim, self.prepared)),
+                };
+                if let (Some(prefix), Some(from)) = (&self.guard, &from) {
+                    q = q.bind(from.clone()).bind(prefix.clone());
+                }
+                match &self.recheck {
+                    Some(recheck) => {
+                        let mut conn = self
+                            .warm
+                            .acquire(&self.pool)
+                            .await
+                            .map_err(Failed::new("claim"))?;
+                        let out = fifo::claim_checked(&mut conn, q, recheck, self.prepared).await;
+                        self.warm.keep_if(conn, out.is_ok());
+                        out.map_err(Failed::new("claim"))
+                    }
+                    None => on_warm(&self.warm, &self.pool, self.prepared, |c| {
+                        Box::pin(q.fetch_all(c))
+                    })
+                    .await
+                    .map(Some)
+                    .map_err(Failed::new("claim")),
+                }
             })
             .await
-            .map_err(Failed::new("claim"))
-        })
-        .await
-        .map_err(|e| e.on(self.table.name()))?;
+            .map_err(|e| e.on(self.table.name()))?;
+            match rows {
+                Some(rows) => break rows,
+                // A FIFO claim rolled back: a row with a lower id committed inside its window
+                // (see `fifo::claim_checked`). Each try is a fresh statement, so only a commit
+                // inside the window of every try would end it empty-handed.
+                None if tries < FIFO_TRIES => {}
+                None => break Vec::new(),
+            }
+        };
         // A claim that found fewer rows than it asked for: the table looks drained, and kept
         // connections go back to the pool (so do those of acks until a claim fills again).
         self.warm.claimed(rows.len() == limit);

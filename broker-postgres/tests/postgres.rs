@@ -50,6 +50,9 @@ bounded!(
     a_row_that_commits_behind_the_head_is_claimed_by_a_read_from_the_start,
     a_claim_that_comes_back_after_half_its_lease_starts_no_handler,
     stats_of_a_large_table_are_sampled_estimates_and_its_lag_is_exact,
+    a_lease_claim_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first,
+    an_advisory_take_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first,
+    a_row_lock_claim_stalled_before_its_guard_keeps_a_row_committed_meanwhile_waiting,
 );
 
 mod case {
@@ -777,5 +780,197 @@ mod case {
         assert!(near(s.scheduled.rows, 50_000), "scheduled {s:?}");
         assert_eq!(s.oldest_due_ms, Some(1_767_225_600_000), "{s:?}");
         fx.cleanup().await;
+    }
+
+    /// The advisory key the stall of [`late_row_in_the_claims_window`] waits on.
+    const STALL: i64 = 35_035;
+
+    /// Issue #35: a FIFO claim reads the table through the snapshot its statement took when it
+    /// began, and takes its groups' guards later, inside it. A publish inside the caller's
+    /// transaction holds its groups' guards until it commits; if it commits in between, the
+    /// guard is free and the snapshot misses its row, whose id is lower than the rows published
+    /// after it: the claim then judged a later row the head, and the row committed meanwhile
+    /// ran beside it.
+    ///
+    /// The window is held open on purpose: a second broker works as a role of its own whose
+    /// reads of the table pass a row security policy that waits on the advisory key [`STALL`]
+    /// while the test holds it (in advisory mode only on sessions holding a key, so only the
+    /// take waits, not the walk before it). The claim waits there with its snapshot taken and
+    /// no guard yet (seen in `pg_locks`); the late row commits; the key is freed; the claim
+    /// goes on. Then nothing may run beside its row, and in lease and advisory mode that row
+    /// is the late one, the group's head. There the stalled sessions default to REPEATABLE
+    /// READ, so the claim's second read sees the late row only in a transaction that begins
+    /// READ COMMITTED.
+    async fn late_row_in_the_claims_window(mode: ClaimMode) {
+        use broker_core::Broker;
+        use broker_postgres::PgBackend;
+        use broker_testkit::TestDb as _;
+        use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+        use std::str::FromStr as _;
+
+        let fx = Fixture::<Pg>::new(mode, |b| b.group("grp").fifo(true)).await;
+        let q = fx.queue().await;
+        let role = broker_testkit::unique_name("stall");
+        let (role_q, table) = (Pg::quote(&role), Pg::quote(fx.table.name()));
+        let holds_a_key = match mode {
+            ClaimMode::Advisory => {
+                "EXISTS (SELECT 1 FROM pg_locks AS l WHERE l.pid = pg_backend_pid() \
+                 AND l.locktype = 'advisory' AND l.granted)"
+            }
+            _ => "TRUE",
+        };
+        for sql in [
+            format!("CREATE ROLE {role_q} NOLOGIN"),
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role_q}"
+            ),
+            format!("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO {role_q}"),
+            format!(
+                "CREATE FUNCTION sb_stall() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$ BEGIN \
+                 IF {holds_a_key} THEN PERFORM pg_advisory_lock_shared({STALL}); \
+                 PERFORM pg_advisory_unlock_shared({STALL}); END IF; RETURN TRUE; END $$"
+            ),
+            format!("ALTER TABLE {table} ENABLE ROW LEVEL SECURITY"),
+            format!(
+                "CREATE POLICY sb_stall ON {table} TO {role_q} USING (sb_stall()) WITH CHECK (TRUE)"
+            ),
+        ] {
+            Pg::execute(&fx.broker, &sql).await;
+        }
+        // Superusers pass row security: the stalled broker's sessions take the role. In lease
+        // and advisory mode they also default to REPEATABLE READ, where a transaction reads
+        // through the snapshot of its first statement: the second read must not.
+        let mut session = vec![format!("SET ROLE {role_q}")];
+        if mode != ClaimMode::RowLock {
+            session.push("SET default_transaction_isolation = 'repeatable read'".to_owned());
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .after_connect(move |conn, _| {
+                let session = session.clone();
+                Box::pin(async move {
+                    for sql in session {
+                        conn.execute(sqlx::AssertSqlSafe(sql)).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with(PgConnectOptions::from_str(&fx.url).expect("a PostgreSQL URL"))
+            .await
+            .expect("connect the stalled broker");
+        let stalled_broker = Broker::new(PgBackend::new(pool));
+        let stalled = stalled_broker
+            .queue::<Job>(fx.table.clone())
+            .await
+            .expect("prepare the queue on the stalled broker");
+
+        let mut open = fx.broker.pool().begin().await.expect("begin");
+        let late = q
+            .publish_in(&mut *open, &[fx.job(0).group("g")])
+            .await
+            .expect("publish in the open transaction")[0];
+        let later = q.publish(fx.job(1).group("g")).await.expect("publish");
+        assert!(late < later, "ids {late} and {later} are in publish order");
+        let mut hold = sqlx::PgConnection::connect(&fx.url).await.expect("connect");
+        sqlx::query("SELECT pg_advisory_lock($1::int8)")
+            .bind(STALL)
+            .execute(&mut hold)
+            .await
+            .expect("hold the stall");
+        let claim = tokio::spawn(async move {
+            let got = stalled.claim(1).await;
+            (stalled, got)
+        });
+        let pool = fx.broker.pool().clone();
+        wait_until(
+            "the claim waiting at the stall, its snapshot taken",
+            Duration::from_secs(20),
+            || {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                         AND NOT granted AND classid = 0 AND objid::int8 = $1::int8 \
+                         AND objsubid = 1",
+                    )
+                    .bind(STALL)
+                    .fetch_one(&pool)
+                    .await
+                    .expect("probe pg_locks")
+                        > 0
+                }
+            },
+        )
+        .await;
+        open.commit().await.expect("commit the late row");
+        sqlx::query("SELECT pg_advisory_unlock($1::int8)")
+            .bind(STALL)
+            .execute(&mut hold)
+            .await
+            .expect("free the stall");
+        let (stalled, first) = claim.await.expect("the claim's task");
+        let first = first.expect("the stalled claim");
+        let second = q.claim(1).await.expect("claim");
+        let in_work: Vec<i64> = first.iter().chain(&second).map(|d| d.id()).collect();
+        broker_testkit::report(&format!(
+            "{mode}: a claim stalled before its guard while a FIFO row ({late}) committed ahead of {later}: in work {in_work:?}"
+        ));
+        // Settle and clean up before asserting, so that a failure leaves no role behind.
+        for d in first.into_iter().chain(second) {
+            d.ack().await.expect("ack");
+        }
+        // The group's other row, unless both ran already.
+        let rest = match in_work.len() {
+            1 => {
+                let d = claim_one(&q).await;
+                let id = d.id();
+                d.ack().await.expect("ack");
+                Some(id)
+            }
+            _ => None,
+        };
+        drop(stalled);
+        stalled_broker.close().await;
+        let _ = hold.close().await;
+        fx.cleanup().await;
+        let mut admin = common::admin().await;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role_q}")))
+            .await
+            .expect("drop the stall role");
+        let _ = admin.close().await;
+        assert!(
+            in_work.len() <= 1,
+            "{mode}: rows {in_work:?} of one FIFO group are in work at once (late row {late}, later row {later})"
+        );
+        if mode != ClaimMode::RowLock {
+            assert_eq!(
+                in_work,
+                vec![late],
+                "{mode}: the row committed before the guard was free is the group's head"
+            );
+        }
+        assert!(
+            rest.is_some_and(|id| !in_work.contains(&id) && [late, later].contains(&id)),
+            "{mode}: row {rest:?} ran after {in_work:?}"
+        );
+    }
+
+    pub(super) async fn a_lease_claim_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first()
+     {
+        late_row_in_the_claims_window(ClaimMode::Lease).await;
+    }
+
+    pub(super) async fn an_advisory_take_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first()
+     {
+        late_row_in_the_claims_window(ClaimMode::Advisory).await;
+    }
+
+    /// Row lock needs no second read: the claim's transaction keeps the guard while its row is
+    /// in work, so the row committed meanwhile waits (it runs after, out of id order, as it
+    /// would had it committed after the claim).
+    pub(super) async fn a_row_lock_claim_stalled_before_its_guard_keeps_a_row_committed_meanwhile_waiting()
+     {
+        late_row_in_the_claims_window(ClaimMode::RowLock).await;
     }
 }
