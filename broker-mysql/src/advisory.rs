@@ -19,7 +19,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, LockStatement, Position,
+    SessionKeyLock, Settle, TryLocked, WarmConnections,
 };
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
@@ -61,46 +62,27 @@ pub fn lock_name(database: &str, key: &str) -> String {
 /// text never changes and stays prepared.
 const PROBES: usize = 16;
 
-/// A held key: a pool connection of its own that holds `GET_LOCK` on the key's name.
-///
-/// Dropping it without unlocking closes the connection (the session ends and the server frees
-/// the key); it never goes back to the pool holding the lock.
-#[derive(Debug)]
-pub struct KeyLock {
-    conn: Option<PoolConnection<MySql>>,
-    key: String,
-    name: String,
-    /// A statement on the connection was started and has not finished (its future was dropped):
-    /// the connection is closed rather than reused.
-    in_flight: bool,
+/// Takes a key's lock name without waiting: 1 when taken, 0 when another session holds it,
+/// NULL on an error inside `GET_LOCK`.
+const GET_LOCK: LockStatement<Option<i64>> = LockStatement {
+    sql: "SELECT CAST(GET_LOCK(?, 0) AS SIGNED)",
+    read: returned_one,
+};
+/// Frees a lock name: 1 when this session held it (0: another session does; NULL: nobody).
+const RELEASE_LOCK: LockStatement<Option<i64>> = LockStatement {
+    sql: "SELECT CAST(RELEASE_LOCK(?) AS SIGNED)",
+    read: returned_one,
+};
+
+/// Whether a lock function returned 1; `None` for NULL.
+fn returned_one(got: Option<i64>) -> Option<bool> {
+    got.map(|got| got == 1)
 }
 
-impl KeyLock {
-    /// The key.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    /// The lock name the key is held under.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn conn(&mut self) -> &mut MySqlConnection {
-        self.in_flight = true;
-        self.conn
-            .as_mut()
-            .expect("a key lock keeps its connection until unlocked")
-    }
-}
-
-impl Drop for KeyLock {
-    fn drop(&mut self) {
-        if let Some(conn) = &mut self.conn {
-            conn.close_on_drop();
-        }
-    }
-}
+/// A held key: a pool connection of its own that holds `GET_LOCK` on the key's lock name
+/// ([`lock_name`]). Dropping it without unlocking closes the connection (the session ends and
+/// the server frees the key); it never goes back to the pool holding the lock.
+type KeyLock = SessionKeyLock<MySql>;
 
 /// How a row is taken under its key.
 #[derive(Debug)]
@@ -601,39 +583,19 @@ impl AdvisoryStrategy for MySqlAdvisory {
 
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {
         let name = lock_name(&self.database, key);
-        let mut conn = self.conn().await?;
-        let got: Result<Option<i64>, _> =
-            sqlx::query_scalar("SELECT CAST(GET_LOCK(?, 0) AS SIGNED)")
-                .bind(&name)
-                .fetch_one(&mut *conn)
-                .await;
+        let conn = self.conn().await?.into_inner();
+        let got = SessionKeyLock::try_on(conn, &self.warm, key.to_owned(), name.clone(), GET_LOCK)
+            .await
+            .map_err(self.err("lock"))?;
         match got {
-            Ok(Some(1)) => Ok(Some(KeyLock {
-                conn: Some(conn.into_inner()),
-                key: key.to_owned(),
-                name,
-                in_flight: false,
-            })),
-            Ok(Some(_)) => {
-                self.warm.keep(conn.into_inner());
-                Ok(None)
-            }
-            Ok(None) => {
-                // NULL: an error inside GET_LOCK; the session may hold nothing useful.
-                drop(conn);
-                self.warm.release();
-                Err(SqlxBrokerError::Invariant {
-                    table: self.table.name().to_owned(),
-                    statement: "lock",
-                    what: format!("GET_LOCK({name:?}) returned NULL"),
-                })
-            }
-            Err(e) => {
-                // Whatever the statement did, closing the connection frees any lock it took.
-                drop(conn);
-                self.warm.release();
-                Err(self.err("lock")(e))
-            }
+            TryLocked::Locked(lock) => Ok(Some(lock)),
+            TryLocked::Held => Ok(None),
+            // NULL: an error inside GET_LOCK; the session may hold nothing useful.
+            TryLocked::Unknown => Err(SqlxBrokerError::Invariant {
+                table: self.table.name().to_owned(),
+                statement: "lock",
+                what: format!("GET_LOCK({name:?}) returned NULL"),
+            }),
         }
     }
 
@@ -643,9 +605,9 @@ impl AdvisoryStrategy for MySqlAdvisory {
         id: i64,
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<MySql>>> {
-        let key = lock.key.clone();
+        let key = lock.key().to_owned();
         let out = self.take_on(lock.conn(), key, id, now_ms).await;
-        lock.in_flight = false;
+        lock.finished();
         out
     }
 
@@ -660,7 +622,7 @@ impl AdvisoryStrategy for MySqlAdvisory {
                 false,
             )
             .await;
-        lock.in_flight = false;
+        lock.finished();
         // The key's session was lost under the delivery (its key is free now): the settlement
         // is fenced on the attempt the take wrote, so it runs again on pool connections for a
         // while, and changes nothing if the row was taken again meanwhile.
@@ -699,33 +661,20 @@ impl AdvisoryStrategy for MySqlAdvisory {
         }
     }
 
-    async fn unlock(&self, mut lock: KeyLock) -> Result<()> {
-        let Some(conn) = lock.conn.take() else {
-            return Ok(());
-        };
-        let mut conn = Conn::guard(conn);
-        if lock.in_flight {
-            // A statement on it was cut short: close it (dropping an armed guard does), which
-            // ends the session and frees the key.
-            return Ok(());
-        }
-        let released: Result<Option<i64>, _> =
-            sqlx::query_scalar("SELECT CAST(RELEASE_LOCK(?) AS SIGNED)")
-                .bind(&lock.name)
-                .fetch_one(&mut *conn)
-                .await;
-        match released {
-            Ok(Some(1)) => self.warm.keep(conn.into_inner()),
-            other => {
-                // Not released as expected: close the connection so the session cannot keep
-                // the key, and report it without failing the settlement that came before.
-                tracing::warn!(
-                    table = self.table.name(),
-                    key = lock.key,
-                    result = ?other,
-                    "RELEASE_LOCK did not release the key; closing its connection instead"
-                );
-            }
+    async fn unlock(&self, lock: KeyLock) -> Result<()> {
+        let key = lock.key().to_owned();
+        let released = lock
+            .unlock(&self.warm, self.table.name(), RELEASE_LOCK)
+            .await;
+        if let Err(e) = released {
+            // The connection is closed, so the session cannot keep the key: report it without
+            // failing the settlement that came before.
+            tracing::warn!(
+                table = self.table.name(),
+                key,
+                error = %e,
+                "RELEASE_LOCK failed; closing its connection instead"
+            );
         }
         Ok(())
     }

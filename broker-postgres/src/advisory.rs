@@ -17,11 +17,12 @@ use std::sync::Arc;
 
 use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{
-    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle, WarmConnections,
+    AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, LockStatement, Position,
+    SessionKeyLock, Settle, TryLocked, WarmConnections,
 };
 use broker_core::{KeyPart, KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
-use sqlx::{PgConnection, PgPool, Postgres, Row};
+use sqlx::{PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
@@ -32,38 +33,11 @@ use crate::sql::{
 /// How long an advisory settlement whose key session went away runs again on pool connections.
 const ADVISORY_SETTLE_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// A held advisory key: the pool connection whose session holds the lock.
-///
-/// [`PgAdvisory::unlock`] frees the key and returns the connection to the pool. Dropped without
-/// it, the connection is closed instead of returned, so its session ends and the server frees
-/// the key.
-#[derive(Debug)]
-pub struct KeyLock {
-    conn: Option<PoolConnection<Postgres>>,
-    key: String,
-}
-
-impl KeyLock {
-    /// The key.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
-    fn conn(&mut self) -> &mut PgConnection {
-        self.conn
-            .as_mut()
-            .expect("a key lock keeps its connection until unlocked")
-    }
-}
-
-impl Drop for KeyLock {
-    fn drop(&mut self) {
-        if let Some(mut conn) = self.conn.take() {
-            // Returned to the pool, the session (and its lock) would live on.
-            conn.close_on_drop();
-        }
-    }
-}
+/// A held advisory key: the pool connection whose session holds the lock on the key (its
+/// name is the key itself). [`PgAdvisory::unlock`] frees the key and keeps the connection for
+/// the next try-lock; dropped without it, the connection is closed instead of returned, so its
+/// session ends and the server frees the key.
+type KeyLock = SessionKeyLock<Postgres>;
 
 /// The key of a row (`alias`) as SQL, and the template's literal pieces it binds from parameter
 /// `first` on: `concat` reads NULL as the empty string, as the template does.
@@ -118,8 +92,14 @@ pub struct PgAdvisory {
     warm: WarmConnections<PoolConnection<Postgres>>,
 }
 
-const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtextextended($1::text, 0))";
-const UNLOCK: &str = "SELECT pg_advisory_unlock(hashtextextended($1::text, 0))";
+const TRY_LOCK: LockStatement<bool> = LockStatement {
+    sql: "SELECT pg_try_advisory_lock(hashtextextended($1::text, 0))",
+    read: Some,
+};
+const UNLOCK: LockStatement<bool> = LockStatement {
+    sql: "SELECT pg_advisory_unlock(hashtextextended($1::text, 0))",
+    read: Some,
+};
 
 impl PgAdvisory {
     pub(crate) fn new(
@@ -458,30 +438,19 @@ impl AdvisoryStrategy for PgAdvisory {
     /// Tries the key's lock on a connection of its own (a kept one, else one from the pool);
     /// the connection is kept for the next try at once when another session holds the key.
     async fn try_lock(&self, key: &str) -> Result<Option<KeyLock>> {
-        let mut conn = self
+        let conn = self
             .warm
             .acquire(&self.pool)
             .await
             .map_err(self.err("acquire"))?;
-        let locked = sqlx::query_scalar::<_, bool>(TRY_LOCK)
-            .bind(key)
-            .fetch_one(&mut *conn)
-            .await;
-        match locked {
-            Ok(true) => Ok(Some(KeyLock {
-                conn: Some(conn),
-                key: key.to_owned(),
-            })),
-            Ok(false) => {
-                self.warm.keep(conn);
-                Ok(None)
-            }
-            Err(e) => {
-                // The server may have dropped every kept connection.
-                self.warm.release();
-                Err(self.err("try lock")(e))
-            }
-        }
+        let locked =
+            SessionKeyLock::try_on(conn, &self.warm, key.to_owned(), key.to_owned(), TRY_LOCK)
+                .await
+                .map_err(self.err("try lock"))?;
+        Ok(match locked {
+            TryLocked::Locked(lock) => Some(lock),
+            TryLocked::Held | TryLocked::Unknown => None,
+        })
     }
 
     /// Takes the row on the lock's connection: counts the attempt and reads the row, only while
@@ -498,7 +467,7 @@ impl AdvisoryStrategy for PgAdvisory {
         id: i64,
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<Postgres>>> {
-        let key = lock.key.clone();
+        let key = lock.key().to_owned();
         let conn = lock.conn();
         let mut tries = 0;
         let row = loop {
@@ -520,10 +489,11 @@ impl AdvisoryStrategy for PgAdvisory {
             };
             match taken.map_err(Failed::new("take")) {
                 Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
-                other => break other.map_err(|e| e.on(self.table.name()))?,
+                other => break other.map_err(|e| e.on(self.table.name())),
             }
         };
-        row.map(|row| crate::backend::claimed(row, Some(key)).map_err(self.err("take")))
+        lock.finished();
+        row?.map(|row| crate::backend::claimed(row, Some(key)).map_err(self.err("take")))
             .transpose()
     }
 
@@ -547,6 +517,7 @@ impl AdvisoryStrategy for PgAdvisory {
                 other => break other,
             }
         };
+        lock.finished();
         let changed = match first {
             // The key's session went away under the delivery (its key is free now): the
             // settlement is fenced on the attempt the take wrote, so it runs again on pool
@@ -576,35 +547,10 @@ impl AdvisoryStrategy for PgAdvisory {
 
     /// Unlocks and keeps the connection for the next try-lock (see `warm`); when the unlock
     /// fails, the connection is closed instead, which frees the key as well.
-    async fn unlock(&self, mut lock: KeyLock) -> Result<()> {
-        let Some(mut conn) = lock.conn.take() else {
-            return Ok(());
-        };
-        let unlocked = sqlx::query_scalar::<_, bool>(UNLOCK)
-            .bind(&lock.key)
-            .fetch_one(&mut *conn)
-            .await;
-        match unlocked {
-            Ok(true) => {
-                self.warm.keep(conn);
-                Ok(())
-            }
-            Ok(false) => {
-                // The session did not hold the key (it cannot happen while the connection is the
-                // lock's own); close it rather than return a session in an unknown state.
-                conn.close_on_drop();
-                tracing::warn!(
-                    table = self.table.name(),
-                    key = lock.key,
-                    "advisory unlock found the key not held"
-                );
-                Ok(())
-            }
-            Err(e) => {
-                conn.close_on_drop();
-                Err(self.err("unlock")(e))
-            }
-        }
+    async fn unlock(&self, lock: KeyLock) -> Result<()> {
+        lock.unlock(&self.warm, self.table.name(), UNLOCK)
+            .await
+            .map_err(self.err("unlock"))
     }
 
     fn release_kept(&self) {

@@ -609,7 +609,9 @@ impl Backend for PgBackend {
     }
 
     async fn register_schedule(&self, row: &ScheduleRow) -> Result<ScheduleRow> {
-        crate::schedule::register(&self.pool, self.prepared(), row).await
+        crate::schedule::STATEMENTS
+            .register(&self.pool, self.prepared(), row)
+            .await
     }
 
     async fn record_tick(
@@ -619,11 +621,15 @@ impl Backend for PgBackend {
         tick_ms: i64,
         prune_before_ms: i64,
     ) -> Result<bool> {
-        crate::schedule::record_tick(conn, self.prepared(), name, tick_ms, prune_before_ms).await
+        crate::schedule::STATEMENTS
+            .record_tick(conn, self.prepared(), name, tick_ms, prune_before_ms)
+            .await
     }
 
     async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
-        crate::schedule::list(&self.pool, self.prepared()).await
+        crate::schedule::STATEMENTS
+            .list(&self.pool, self.prepared())
+            .await
     }
 
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {

@@ -125,33 +125,7 @@ pub(crate) fn query(
     sqlx::query(AssertSqlSafe(sql.clone())).persistent(prepared)
 }
 
-/// A future on a borrowed connection, as [`on_pool`] takes.
-pub(crate) type ConnFuture<'c, T> =
-    std::pin::Pin<Box<dyn Future<Output = Result<T, sqlx::Error>> + Send + 'c>>;
-
-/// Runs `f` on a connection of `pool`: as it is when statements are prepared, or inside a
-/// transaction of its own when they go unnamed (behind a transaction-mode pooler). sqlx sends an
-/// unnamed statement as a parse and a sync, then a bind, an execute and another sync; between
-/// the two syncs a transaction-mode pooler may give the server session to another client, and
-/// the bind would then meet that client's statement (seen through PgBouncer 1.18: "unnamed
-/// prepared statement does not exist", "bind message supplies 3 parameters, but prepared
-/// statement \"\" requires 1"). Inside a transaction the pooler keeps the session.
-pub(crate) async fn on_pool<T>(
-    pool: &sqlx::PgPool,
-    prepared: bool,
-    f: impl for<'c> FnOnce(&'c mut PgConnection) -> ConnFuture<'c, T>,
-) -> Result<T, sqlx::Error> {
-    use sqlx::Connection;
-    if prepared {
-        let mut conn = pool.acquire().await?;
-        return f(&mut conn).await;
-    }
-    let mut conn = pool.acquire().await?;
-    let mut tx = conn.begin().await?;
-    let out = f(&mut tx).await?;
-    tx.commit().await?;
-    Ok(out)
-}
+pub(crate) use broker_core::driver::{ConnFuture, on_pool};
 
 /// [`on_pool`] on a connection kept from the last statement where there is one
 /// ([`WarmConnections`](broker_core::driver::WarmConnections)); the connection is kept again

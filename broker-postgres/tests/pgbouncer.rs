@@ -115,6 +115,18 @@ impl broker_testkit::TestDb for PgBouncer {
 broker_testkit::conformance_suite!(@mode PgBouncer; row_lock; no);
 broker_testkit::conformance_suite!(@mode PgBouncer; lease; no);
 
+// Periodic schedules through the pooler: every schedule statement (register, record a tick,
+// list) follows the backend's `prepared` setting, as every other statement does.
+mod periodic {
+    #[allow(unused_imports)]
+    use super::*;
+    broker_testkit::conformance_suite!(@plain PgBouncer;
+        bad_schedules_are_refused_with_a_clear_error,
+        four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted,
+        missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once,
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_advisory_table_is_refused_with_the_pooler_message() {
     let url = PgBouncer::database().await;

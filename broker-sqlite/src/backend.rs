@@ -393,7 +393,9 @@ impl Backend for SqliteBackend {
     }
 
     async fn register_schedule(&self, row: &ScheduleRow) -> Result<ScheduleRow> {
-        crate::schedule::register(&self.pool, row).await
+        crate::schedule::STATEMENTS
+            .register(&self.pool, true, row)
+            .await
     }
 
     async fn record_tick(
@@ -403,11 +405,13 @@ impl Backend for SqliteBackend {
         tick_ms: i64,
         prune_before_ms: i64,
     ) -> Result<bool> {
-        crate::schedule::record_tick(conn, name, tick_ms, prune_before_ms).await
+        crate::schedule::STATEMENTS
+            .record_tick(conn, true, name, tick_ms, prune_before_ms)
+            .await
     }
 
     async fn schedules(&self) -> Result<Vec<ScheduleRow>> {
-        crate::schedule::list(&self.pool).await
+        crate::schedule::STATEMENTS.list(&self.pool, true).await
     }
 
     async fn row_state(&self, table: &TableDescription, id: i64) -> Result<Option<RowState>> {

@@ -226,6 +226,7 @@ macro_rules! conformance_suite {
             a_row_passed_over_for_its_held_key_is_claimed_once_the_key_is_free,
             a_held_key_with_only_scheduled_rows_counts_each_row_once,
             keys_that_share_a_long_prefix_are_held_at_once,
+            a_key_lock_dropped_without_unlocking_frees_its_key,
             an_advisory_take_rechecks_that_its_row_is_still_the_groups_head,
             a_row_deleted_while_claimed_is_reported_gone,
             subscribe_with_transaction_outside_row_lock_is_refused,

@@ -11,11 +11,17 @@ pub mod clock;
 pub mod connect;
 mod group_cursor;
 pub mod indexes;
+mod on_pool;
 pub mod retry;
 mod row_tx;
+mod schedules;
+mod session_lock;
 
 pub use group_cursor::GroupCursor;
+pub use on_pool::{ConnFuture, on_pool};
 pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
+pub use schedules::{ScheduleStatements, TickParam};
+pub use session_lock::{LockStatement, SessionKeyLock, TryLocked};
 
 use std::future::Future;
 use std::sync::Arc;

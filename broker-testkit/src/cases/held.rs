@@ -145,6 +145,42 @@ pub async fn a_killed_key_connection_frees_the_key_and_the_stale_delivery_cannot
     fx.cleanup().await;
 }
 
+/// A key lock the strategy hands out and that is dropped without an unlock (the engine always
+/// unlocks; this is the backstop when it cannot) frees its key: its connection is closed, not
+/// returned to the pool holding the lock, and the key can be locked again.
+pub async fn a_key_lock_dropped_without_unlocking_frees_its_key<D: TestDb>(mode: ClaimMode) {
+    use broker_core::driver::{AdvisoryStrategy, Backend, Prepared};
+    assert_eq!(mode, ClaimMode::Advisory, "a case of advisory mode");
+    let fx = Fixture::<D>::new(mode, |b| b).await;
+    let table = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Advisory(adv) = fx.broker.backend().prepare(&table).await.expect("prepare")
+    else {
+        panic!("an advisory table prepares its advisory strategy")
+    };
+    let key = "key-dropped";
+    let lock = adv
+        .try_lock(key)
+        .await
+        .expect("try the key")
+        .expect("a free key is locked");
+    assert!(D::key_is_held(&fx.broker, key).await, "{key} is held");
+    drop(lock);
+    wait_until(
+        &format!("{key} to be free after its lock dropped"),
+        Duration::from_secs(10),
+        || async { !D::key_is_held(&fx.broker, key).await },
+    )
+    .await;
+    let again = adv
+        .try_lock(key)
+        .await
+        .expect("try the key again")
+        .expect("the dropped lock's key is locked again");
+    adv.unlock(again).await.expect("unlock");
+    adv.release_kept();
+    fx.cleanup().await;
+}
+
 /// Two keys that share their first hundred characters (longer than MySQL's 64-character lock
 /// names) and differ after them are two keys: a row of each is held at once, by two brokers,
 /// and each key is reported held. A backend that cut long lock names short, instead of hashing
