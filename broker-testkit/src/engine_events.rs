@@ -79,25 +79,18 @@ pub(crate) fn observe(event: &EngineEvent<'_>) {
             id,
             attempt,
             at,
-        } => {
-            if print {
-                println!("{SETTLED_LINE}{table} {id} {attempt} {}", micros(at));
-            } else {
-                note(table, id, attempt, micros(at));
-            }
-        }
+        } => keep_or_print(print, SETTLED_LINE, note, (table, id, attempt, micros(at))),
         EngineEvent::ClaimLost {
             table,
             id,
             attempt,
             at,
-        } => {
-            if print {
-                println!("{LOST_LINE}{table} {id} {attempt} {}", micros(at));
-            } else {
-                note_lost(table, id, attempt, micros(at));
-            }
-        }
+        } => keep_or_print(
+            print,
+            LOST_LINE,
+            note_lost,
+            (table, id, attempt, micros(at)),
+        ),
         EngineEvent::Claimed {
             table,
             subscription,
@@ -115,6 +108,42 @@ pub(crate) fn observe(event: &EngineEvent<'_>) {
         }
         _ => {}
     }
+}
+
+/// Where this process keeps a delivery's event: (table, id, attempt, unix µs).
+type Keep = fn(&str, i64, i64, i64);
+
+/// Keeps a delivery's event with `keep`, or in a child prints it as a `line` for the parent.
+fn keep_or_print(
+    print: bool,
+    line: &str,
+    keep: Keep,
+    (table, id, attempt, micros): (&str, i64, i64, i64),
+) {
+    if print {
+        println!("{line}{table} {id} {attempt} {micros}");
+    } else {
+        keep(table, id, attempt, micros);
+    }
+}
+
+/// Keeps the settlement or lost claim a child printed in `line` (a [`SETTLED_LINE`] or a
+/// [`LOST_LINE`], found anywhere in it); `false` when the line is neither.
+pub(crate) fn note_child_line(line: &str) -> bool {
+    let lines: [(&str, Keep); 2] = [(SETTLED_LINE, note), (LOST_LINE, note_lost)];
+    for (prefix, keep) in lines {
+        if let Some(at) = line.find(prefix) {
+            let f: Vec<&str> = line[at + prefix.len()..].split(' ').collect();
+            keep(
+                f[0],
+                f[1].parse().expect("an id"),
+                f[2].parse().expect("an attempt"),
+                f[3].parse().expect("a time"),
+            );
+            return true;
+        }
+    }
+    false
 }
 
 /// Notes a settlement a child reported.

@@ -16,7 +16,7 @@ use broker_core::{
 };
 
 use super::faults::{CHILD_ENV, spawn_child};
-use crate::engine_events::{self, LOST_LINE, SETTLED_LINE};
+use crate::engine_events;
 use crate::history::{Expect, Final, History, Marked, Recorded, unix_micros};
 use crate::{JobText, TestDb, unique_name, wait_until};
 
@@ -247,22 +247,7 @@ impl ChildBroker {
                         opt(f[5]).map(|l| l.parse().expect("a lease expiry")),
                     );
                     local.insert(n, index_in_history);
-                } else if let Some(at) = line.find(SETTLED_LINE) {
-                    let f: Vec<&str> = line[at + SETTLED_LINE.len()..].split(' ').collect();
-                    engine_events::note(
-                        f[0],
-                        f[1].parse().expect("an id"),
-                        f[2].parse().expect("an attempt"),
-                        f[3].parse().expect("a time"),
-                    );
-                } else if let Some(at) = line.find(LOST_LINE) {
-                    let f: Vec<&str> = line[at + LOST_LINE.len()..].split(' ').collect();
-                    engine_events::note_lost(
-                        f[0],
-                        f[1].parse().expect("an id"),
-                        f[2].parse().expect("an attempt"),
-                        f[3].parse().expect("a time"),
-                    );
+                } else if engine_events::note_child_line(&line) {
                 } else if let Some(at) = line.find(END) {
                     let f: Vec<&str> = line[at + END.len()..].split(' ').collect();
                     let n: usize = f[0].parse().expect("an end line");
