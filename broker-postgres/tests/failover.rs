@@ -47,8 +47,25 @@ fn postmaster_pid(node: &str) -> String {
         .to_owned()
 }
 
-const ROWS: usize = 3_000;
-const BROKERS: usize = 2;
+/// Rows drained per run: 3,000, or `SQLX_BROKER_FAILOVER_ROWS` (the stress size of issue #34 is
+/// 10,000).
+fn rows() -> usize {
+    env_count("SQLX_BROKER_FAILOVER_ROWS", 3_000)
+}
+
+/// Brokers draining, 8 workers each: 2, or `SQLX_BROKER_FAILOVER_BROKERS`.
+fn brokers() -> usize {
+    env_count("SQLX_BROKER_FAILOVER_BROKERS", 2)
+}
+
+fn env_count(var: &str, default: usize) -> usize {
+    match std::env::var(var) {
+        Ok(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("{var}={v:?}: give a whole number")),
+        Err(_) => default,
+    }
+}
 
 /// The FIFO group of row `i` of the lease run: two rows in three, in 32 groups.
 fn group_of(i: usize) -> Option<String> {
@@ -169,11 +186,12 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
         builder = builder.lease_seconds(2).group("grp").fifo(true);
     }
     let table = builder.build().unwrap();
+    let (rows, broker_count) = (rows(), brokers());
     let first = PgBackend::connect_primary(&urls, 4).await.unwrap();
     first.create_tables(&table).await.unwrap();
     let queue = first.queue::<Job>(table.clone()).await.unwrap();
-    let mut ids = Vec::with_capacity(ROWS);
-    for chunk in (0..ROWS).collect::<Vec<_>>().chunks(500) {
+    let mut ids = Vec::with_capacity(rows);
+    for chunk in (0..rows).collect::<Vec<_>>().chunks(500) {
         let jobs: Vec<_> = chunk
             .iter()
             .map(|i| {
@@ -191,7 +209,7 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
     }
     let history = Arc::new(History::new(&name));
     let mut brokers = Vec::new();
-    for index in 0..BROKERS {
+    for index in 0..broker_count {
         let broker = PgBackend::connect_primary(&urls, 12).await.unwrap();
         let q = broker.queue::<Job>(table.clone()).await.unwrap();
         let h = history.clone();
@@ -226,8 +244,9 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
         brokers.push((broker, q, sub));
     }
     let started = Instant::now();
-    let limit = Duration::from_secs(240);
-    while history.finished_rows(None) < ROWS / 4 {
+    // Generous for a loaded 2-core machine: about 25 rows a second at the least.
+    let limit = Duration::from_secs(240.max(rows as u64 / 25));
+    while history.finished_rows(None) < rows / 4 {
         assert!(started.elapsed() < limit, "no progress before the failover");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -266,7 +285,7 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    for b in 0..BROKERS {
+    for b in 0..broker_count {
         history.connections_killed(b, from, history.now());
     }
     // Done when every row is gone.
@@ -281,7 +300,7 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
         }
         assert!(
             started.elapsed() < limit,
-            "{mode:?}: gave up after {limit:?}: {} of {ROWS} rows finished ({left:?} left)",
+            "{mode:?}: gave up after {limit:?}: {} of {rows} rows finished ({left:?} left)",
             history.finished_rows(None)
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -324,11 +343,12 @@ async fn drain_through_failover(mode: ClaimMode, down: Down) {
         panic!("{mode:?}: the history check failed:\n{problems}\nper broker: {per_broker:?}")
     });
     assert_eq!(
-        figures.acked, ROWS,
+        figures.acked, rows,
         "{mode:?}: every row acked once the run ends"
     );
     broker_testkit::report(&format!(
-        "postgres failover ({mode:?}, primary {down:?}): {} rows, {} deliveries; standby promoted 2 s after; claims resumed {:.1}s after the primary went down; unhealthy at 2 s: {unhealthy:?}; shutdowns took {shutdowns:?}; per broker: {}",
+        "postgres failover ({mode:?}, primary {down:?}): {} brokers, {} rows, {} deliveries; standby promoted 2 s after; claims resumed {:.1}s after the primary went down; unhealthy at 2 s: {unhealthy:?}; shutdowns took {shutdowns:?}; per broker: {}",
+        broker_count,
         figures.rows,
         figures.deliveries,
         resumed.as_secs_f64(),
