@@ -53,6 +53,7 @@ bounded!(
     a_lease_claim_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first,
     an_advisory_take_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first,
     a_row_lock_claim_stalled_before_its_guard_keeps_a_row_committed_meanwhile_waiting,
+    an_advisory_take_refuses_a_row_no_longer_its_groups_head_before_writing_it,
 );
 
 mod case {
@@ -972,5 +973,106 @@ mod case {
     pub(super) async fn a_row_lock_claim_stalled_before_its_guard_keeps_a_row_committed_meanwhile_waiting()
      {
         late_row_in_the_claims_window(ClaimMode::RowLock).await;
+    }
+
+    /// The head check of an advisory take's own statement (issue #35). The take runs in a
+    /// statement of its own, after the walk that found its row, so the group's head can change
+    /// in between; the take reads the group again before it takes the guard and counts the
+    /// attempt. Its second read once the guard is held (`fifo::claim_checked`) would refuse the
+    /// row as well, and the take would come back empty either way, but only after writing the
+    /// row and rolling back: the check in the statement is what refuses it unwritten.
+    ///
+    /// Driven through the backend's advisory strategy, so the change lands exactly between the
+    /// walk and the take, and through an admin action a queue runs in production: the group's
+    /// head is dead-lettered, the walk finds the second row as the head, the dead head is
+    /// requeued, and the take of the second row under its free key must refuse it without a
+    /// write: no transaction wrote or locked it (`xmax` is 0; a rolled-back write leaves its
+    /// transaction's id there). Then the requeued head runs first.
+    pub(super) async fn an_advisory_take_refuses_a_row_no_longer_its_groups_head_before_writing_it()
+    {
+        use broker_core::driver::{AdvisoryStrategy, Prepared, clock};
+        use broker_core::{Backend as _, DeadLetter, DeadLetters};
+        use broker_testkit::TestDb as _;
+
+        let fx = Fixture::<Pg>::new(ClaimMode::Advisory, |b| {
+            b.group("grp")
+                .fifo(true)
+                .dead_letter(DeadLetter::Column("dead_at".into()))
+        })
+        .await;
+        let q = fx.queue().await;
+        let ids = q
+            .publish_batch(&[fx.job(0).group("g"), fx.job(1).group("g")])
+            .await
+            .expect("publish");
+        let head = claim_one(&q).await;
+        assert_eq!(head.id(), ids[0]);
+        head.dead_letter().await.expect("dead-letter the head");
+        let table = std::sync::Arc::new(fx.table.clone());
+        let Prepared::Advisory(adv) = fx.broker.backend().prepare(&table).await.expect("prepare")
+        else {
+            panic!("an advisory table prepares its advisory strategy")
+        };
+        let walk = adv
+            .walk_keys(None, 10, clock::now_ms())
+            .await
+            .expect("walk the groups");
+        let heads: Vec<i64> = walk.candidates.iter().map(|c| c.id).collect();
+        assert_eq!(
+            heads,
+            vec![ids[1]],
+            "the walk finds the second row as the head"
+        );
+        let key = walk.candidates[0].key.clone();
+        // The head changes between the walk and the take: the dead head comes back.
+        assert_eq!(
+            q.requeue_dead(DeadLetters::Ids(vec![ids[0]]))
+                .await
+                .expect("requeue the first row"),
+            1
+        );
+        let xmax_sql = format!(
+            "SELECT xmax::text::int8 FROM {} WHERE {} = $1::int8",
+            Pg::quote(fx.table.name()),
+            Pg::quote(fx.table.id())
+        );
+        let xmax = || async {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(xmax_sql.clone()))
+                .bind(ids[1])
+                .fetch_one(fx.broker.pool())
+                .await
+                .expect("read the second row's xmax")
+        };
+        assert_eq!(xmax().await, 0, "nothing has written the second row yet");
+        let mut lock = adv
+            .try_lock(&key)
+            .await
+            .expect("try the key")
+            .expect("the second row's key is free");
+        let taken = adv
+            .take(&mut lock, ids[1], clock::now_ms())
+            .await
+            .expect("take");
+        adv.unlock(lock).await.expect("unlock");
+        let written_by = xmax().await;
+        assert!(
+            taken.is_none(),
+            "the take claimed row {} although row {} was its group's head again",
+            ids[1],
+            ids[0]
+        );
+        assert_eq!(
+            written_by, 0,
+            "the take wrote row {} (transaction {written_by}, rolled back by its second read) \
+             although its own statement could see that row {} was the group's head again",
+            ids[1], ids[0]
+        );
+        let next = claim_one(&q).await;
+        assert_eq!(next.id(), ids[0], "the requeued head runs first");
+        next.ack().await.expect("ack");
+        let last = claim_one(&q).await;
+        assert_eq!(last.id(), ids[1]);
+        last.ack().await.expect("ack");
+        fx.cleanup().await;
     }
 }
