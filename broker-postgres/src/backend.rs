@@ -239,9 +239,11 @@ fn slots(table: &TableDescription, plan: &PublishPlan) -> Vec<Slot> {
         .collect()
 }
 
-/// Inside the caller's transaction, a publish to a FIFO table in lease or advisory mode holds
-/// the guard of each group it publishes to, shared, until that transaction ends. Its rows take
-/// their ids now but are seen only once it commits; meanwhile a claim could take a later row of
+/// A publish to a FIFO table in lease or advisory mode holds the guard of each group it
+/// publishes to, shared, from before its rows take their ids until its transaction ends (the
+/// caller's, or one of the publish's own: an insert on its own would take its ids before any
+/// guard, so outside the caller's transaction a publish to such groups runs in a transaction
+/// too). Its rows take their ids now but are seen only once it commits; meanwhile a claim could take a later row of
 /// the group, and these rows would then become the group's head while that row is still in
 /// work (two rows of one group in work, out of id order). Claims try each group's guard
 /// exclusively and skip a group whose guard they cannot take, so they leave the group alone
@@ -249,18 +251,12 @@ fn slots(table: &TableDescription, plan: &PublishPlan) -> Vec<Slot> {
 /// so the publish waits at most that long. Row lock is left out: its deliveries hold the guard
 /// for as long as they run, which is what keeps its groups one row at a time already, and a
 /// publish must not wait for a handler.
-async fn hold_group_guards<P>(
+async fn hold_group_guards(
     conn: &mut PgConnection,
     table: &TableDescription,
-    jobs: &[NewJob<P>],
+    groups: &[&str],
     prepared: bool,
 ) -> Result<(), sqlx::Error> {
-    if !table.fifo() || table.group().is_none() || table.mode() == ClaimMode::RowLock {
-        return Ok(());
-    }
-    let mut groups: Vec<&str> = jobs.iter().filter_map(NewJob::group_value).collect();
-    groups.sort_unstable();
-    groups.dedup();
     if groups.is_empty() {
         return Ok(());
     }
@@ -270,10 +266,22 @@ async fn hold_group_guards<P>(
     )
     .persistent(prepared)
     .bind(crate::fifo::guard_prefix(table))
-    .bind(&groups)
+    .bind(groups)
     .execute(&mut *conn)
     .await
     .map(drop)
+}
+
+/// The groups whose guards a publish of `jobs` must hold (see [`hold_group_guards`]), sorted
+/// and without repeats: none unless `table` has FIFO groups in lease or advisory mode.
+fn guarded_groups<'j, P>(table: &TableDescription, jobs: &'j [NewJob<P>]) -> Vec<&'j str> {
+    if !table.fifo() || table.group().is_none() || table.mode() == ClaimMode::RowLock {
+        return Vec::new();
+    }
+    let mut groups: Vec<&str> = jobs.iter().filter_map(NewJob::group_value).collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
 }
 
 async fn publish_chunk<P>(
@@ -460,12 +468,15 @@ impl Backend for PgBackend {
         // Stay well under PostgreSQL's 65535 bound parameters per statement.
         let per_statement = (60_000 / plan.width()).clamp(1, 1000);
         let prepared = self.prepared();
+        let groups = guarded_groups(table, jobs);
         if in_caller_tx {
-            hold_group_guards(conn, table, jobs, prepared)
+            hold_group_guards(conn, table, &groups, prepared)
                 .await
                 .map_err(err)?;
         }
-        let ids = if jobs.len() <= per_statement && (prepared || in_caller_tx) {
+        let alone =
+            jobs.len() <= per_statement && (in_caller_tx || (prepared && groups.is_empty()));
+        let ids = if alone {
             publish_chunk(conn, table, &plan, &slots, channel, prepared, jobs)
                 .await
                 .map_err(err)?
@@ -473,8 +484,14 @@ impl Backend for PgBackend {
             // Unnamed statements outside a transaction would lose their session between parse
             // and execution behind a transaction-mode pooler (see `sql::on_pool`).
             // Several statements: one transaction (a savepoint inside the caller's), so the
-            // batch lands whole or not at all.
+            // batch lands whole or not at all. Outside the caller's transaction it takes the
+            // groups' guards first.
             let mut tx = conn.begin().await.map_err(err)?;
+            if !in_caller_tx {
+                hold_group_guards(&mut tx, table, &groups, prepared)
+                    .await
+                    .map_err(err)?;
+            }
             let mut ids = Vec::with_capacity(jobs.len());
             for (i, chunk) in jobs.chunks(per_statement).enumerate() {
                 let channel = channel.filter(|_| i == 0);
@@ -582,14 +599,23 @@ impl Backend for PgBackend {
             }
             Ok(None)
         };
-        let done = if !prepared && !in_caller_tx {
+        // FIFO groups in lease or advisory mode: the group's guard from before the id is taken
+        // (see `hold_group_guards`).
+        let groups = guarded_groups(table, std::slice::from_ref(job));
+        let done = if !in_caller_tx && (!prepared || !groups.is_empty()) {
             // Unnamed statements outside a transaction would lose their session behind a
             // transaction-mode pooler (see `sql::on_pool`).
             let mut tx = conn.begin().await.map_err(err)?;
+            hold_group_guards(&mut tx, table, &groups, prepared)
+                .await
+                .map_err(err)?;
             let done = tries(&mut tx).await?;
             tx.commit().await.map_err(err)?;
             done
         } else {
+            hold_group_guards(conn, table, &groups, prepared)
+                .await
+                .map_err(err)?;
             tries(conn).await?
         };
         let done = done.ok_or_else(|| SqlxBrokerError::Invariant {

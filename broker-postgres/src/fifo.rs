@@ -10,8 +10,9 @@
 //! Rows without a group are not ordered and take no guard.
 //!
 //! A statement reads the table through the snapshot it took when it began, and the guard is
-//! taken later, inside it. A publish in the caller's transaction holds its groups' guards
-//! (shared) until it commits (see `backend::hold_group_guards`); if it commits between the
+//! taken later, inside it. A publish holds its groups' guards (shared) from before its rows take
+//! their ids until it commits, in the caller's transaction or in one of its own (see
+//! `backend::hold_group_guards`); if it commits between the
 //! claim's snapshot and the claim's guard, the guard is free but the snapshot misses the rows it
 //! added, one of which may have the group's lowest id (ids are drawn before commit), and the
 //! claim would take a later row as the head (issue #35). So the lease claim and the advisory

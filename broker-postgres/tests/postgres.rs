@@ -54,6 +54,9 @@ bounded!(
     an_advisory_take_stalled_before_its_guard_leaves_a_row_committed_meanwhile_first,
     a_row_lock_claim_stalled_before_its_guard_keeps_a_row_committed_meanwhile_waiting,
     an_advisory_take_refuses_a_row_no_longer_its_groups_head_before_writing_it,
+    a_lease_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
+    an_advisory_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
+    a_unique_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
 );
 
 mod case {
@@ -1074,5 +1077,154 @@ mod case {
         assert_eq!(last.id(), ids[1]);
         last.ack().await.expect("ack");
         fx.cleanup().await;
+    }
+
+    /// The advisory key the stall of [`publish_stalled_before_its_commit`] waits on.
+    const PUBLISH_STALL: i64 = 35_036;
+
+    /// Issue #35: a publish outside the caller's transaction takes its row's id before the row
+    /// is seen, as one in the caller's transaction does. If a row of the same group published
+    /// after it is claimed meanwhile, the earlier row becomes the group's head once it commits,
+    /// while the later one is in work: two rows of one group at once. So such a publish holds
+    /// its groups' guards (shared) from before its ids are taken until it commits, and claims
+    /// skip the group meanwhile.
+    ///
+    /// The window is held open: a trigger on the table makes the insert of `job-0` wait on the
+    /// advisory key [`PUBLISH_STALL`] (its id is taken by then: defaults come before row
+    /// triggers) while the test holds it; `job-1` of the same group is published and commits;
+    /// a claim runs; the key is freed. Then no two rows of the group may be in work, and the
+    /// first to run is `job-0`.
+    async fn publish_stalled_before_its_commit(mode: ClaimMode, unique: bool) {
+        use broker_testkit::TestDb as _;
+
+        let fx = Fixture::<Pg>::new(mode, |b| {
+            let b = b.group("grp").fifo(true);
+            if unique { b.unique_key("ukey") } else { b }
+        })
+        .await;
+        let q = fx.queue().await;
+        let table = Pg::quote(fx.table.name());
+        let function = Pg::quote(&format!("{}_stall", fx.table.name()));
+        for sql in [
+            format!(
+                "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                 IF NEW.payload = 'job-0' THEN PERFORM pg_advisory_lock_shared({PUBLISH_STALL}); \
+                 PERFORM pg_advisory_unlock_shared({PUBLISH_STALL}); END IF; RETURN NEW; END $$"
+            ),
+            format!(
+                "CREATE TRIGGER stall BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {function}()"
+            ),
+        ] {
+            Pg::execute(&fx.broker, &sql).await;
+        }
+        let job = |i: usize| {
+            let job = fx.job(i).group("g");
+            if unique {
+                job.unique_key(format!("u{i}"))
+            } else {
+                job
+            }
+        };
+        let mut hold = sqlx::PgConnection::connect(&fx.url).await.expect("connect");
+        sqlx::query("SELECT pg_advisory_lock($1::int8)")
+            .bind(PUBLISH_STALL)
+            .execute(&mut hold)
+            .await
+            .expect("hold the stall");
+        let publishing = q.clone();
+        let first_job = job(0);
+        let early = tokio::spawn(async move {
+            if unique {
+                publishing.publish_unique(first_job).await.map(|p| p.id)
+            } else {
+                publishing.publish(first_job).await
+            }
+        });
+        let pool = fx.broker.pool().clone();
+        wait_until(
+            "the publish of job-0 waiting at the stall, its id taken",
+            Duration::from_secs(20),
+            || {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                         AND NOT granted AND classid = 0 AND objid::int8 = $1::int8 \
+                         AND objsubid = 1",
+                    )
+                    .bind(PUBLISH_STALL)
+                    .fetch_one(&pool)
+                    .await
+                    .expect("probe pg_locks")
+                        > 0
+                }
+            },
+        )
+        .await;
+        let later = if unique {
+            q.publish_unique(job(1)).await.map(|p| p.id)
+        } else {
+            q.publish(job(1)).await
+        }
+        .expect("publish job-1");
+        let first = q.claim(1).await.expect("claim while job-0 is not seen");
+        sqlx::query("SELECT pg_advisory_unlock($1::int8)")
+            .bind(PUBLISH_STALL)
+            .execute(&mut hold)
+            .await
+            .expect("free the stall");
+        let early = early
+            .await
+            .expect("the publish's task")
+            .expect("publish job-0");
+        let second = q.claim(1).await.expect("claim");
+        let in_work: Vec<i64> = first.iter().chain(&second).map(|d| d.id()).collect();
+        broker_testkit::report(&format!(
+            "{mode}{}: a publish of its own stalled before its commit ({early}) while a later row of its group ({later}) committed: in work {in_work:?}",
+            if unique { ", unique" } else { "" }
+        ));
+        for d in first.into_iter().chain(second) {
+            d.ack().await.expect("ack");
+        }
+        let rest = match in_work.len() {
+            1 => {
+                let d = claim_one(&q).await;
+                let id = d.id();
+                d.ack().await.expect("ack");
+                Some(id)
+            }
+            _ => None,
+        };
+        let _ = hold.close().await;
+        Pg::execute(&fx.broker, &format!("DROP TRIGGER stall ON {table}")).await;
+        Pg::execute(&fx.broker, &format!("DROP FUNCTION {function}()")).await;
+        fx.cleanup().await;
+        assert!(
+            early < later,
+            "ids {early} and {later} are in publish order"
+        );
+        assert!(
+            in_work.len() <= 1,
+            "{mode}: rows {in_work:?} of one FIFO group are in work at once (row {early} published first, its commit stalled; row {later} after it)"
+        );
+        assert_eq!(
+            in_work,
+            vec![early],
+            "{mode}: the row published first is the group's head once it is seen"
+        );
+        assert_eq!(rest, Some(later), "{mode}: the later row runs after it");
+    }
+
+    pub(super) async fn a_lease_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen() {
+        publish_stalled_before_its_commit(ClaimMode::Lease, false).await;
+    }
+
+    pub(super) async fn an_advisory_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen()
+     {
+        publish_stalled_before_its_commit(ClaimMode::Advisory, false).await;
+    }
+
+    pub(super) async fn a_unique_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen() {
+        publish_stalled_before_its_commit(ClaimMode::Lease, true).await;
     }
 }
