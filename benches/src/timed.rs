@@ -387,6 +387,10 @@ impl<S: AdvisoryStrategy> AdvisoryStrategy for TimedStrategy<S> {
 
 impl<B: Backend> Backend for Timed<B> {
     type Db = B::Db;
+    type Admin<'a>
+        = B::Admin<'a>
+    where
+        B: 'a;
     type RowLock = TimedStrategy<B::RowLock>;
     type Lease = TimedStrategy<B::Lease>;
     type Advisory = TimedStrategy<B::Advisory>;
@@ -401,6 +405,10 @@ impl<B: Backend> Backend for Timed<B> {
 
     fn pool(&self) -> &Pool<B::Db> {
         self.inner.pool()
+    }
+
+    fn admin(&self) -> Self::Admin<'_> {
+        self.inner.admin()
     }
 
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
@@ -472,85 +480,6 @@ impl<B: Backend> Backend for Timed<B> {
 
     async fn execute_ddl(&self, statements: &[String]) -> Result<()> {
         self.inner.execute_ddl(statements).await
-    }
-
-    async fn stats(
-        &self,
-        table: &TableDescription,
-        now_ms: i64,
-    ) -> Result<broker_core::driver::StatsCounts> {
-        self.inner.stats(table, now_ms).await
-    }
-
-    async fn list(
-        &self,
-        table: &TableDescription,
-        state: broker_core::JobState,
-        page: broker_core::Page,
-        now_ms: i64,
-    ) -> Result<Vec<broker_core::JobInfo>> {
-        self.inner.list(table, state, page, now_ms).await
-    }
-
-    async fn requeue_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        self.inner.requeue_dead(table, which, now_ms).await
-    }
-
-    async fn discard_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-    ) -> Result<u64> {
-        self.inner.discard_dead(table, which).await
-    }
-
-    async fn cancel(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        self.inner.cancel(table, id, now_ms).await
-    }
-
-    async fn run_now(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        self.inner.run_now(table, id, now_ms).await
-    }
-
-    async fn purge_finished(&self, table: &TableDescription, before_ms: i64) -> Result<u64> {
-        self.inner.purge_finished(table, before_ms).await
-    }
-
-    async fn record_error(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> Result<()> {
-        self.inner.record_error(table, id, error, dead).await
-    }
-
-    async fn set_pause(&self, table: &str, pause: Option<&broker_core::Pause>) -> Result<bool> {
-        self.inner.set_pause(table, pause).await
-    }
-
-    async fn pause_state(&self, table: &str) -> Result<Option<broker_core::Pause>> {
-        self.inner.pause_state(table).await
-    }
-
-    async fn has_control_table(&self) -> Result<bool> {
-        self.inner.has_control_table().await
     }
 
     async fn listen(

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::admin::{DeadLetters, JobInfo, JobState, Page, Pause, QueueStats, RowChange};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction};
-use crate::driver::{Backend, RowState};
+use crate::driver::{AdminDriver, Backend, RowState};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{BrokerInner, Shared};
 use crate::metrics::MetricsSnapshot;
@@ -499,11 +499,20 @@ impl<B: Backend, T> Queue<B, T> {
     pub async fn stats(&self) -> Result<QueueStats> {
         let table = &self.inner.shared.table;
         let now = crate::driver::clock::now_ms();
-        let counts = self.backend().stats(table, now).await?;
-        let paused = match self.backend().pause_state(table.name()).await {
+        let counts = self.backend().admin().stats(table, now).await?;
+        let paused = match self.backend().admin().pause_state(table.name()).await {
             Ok(p) => p,
             // No control table: nothing can have paused the queue.
-            Err(_) if !self.backend().has_control_table().await.unwrap_or(true) => None,
+            Err(_)
+                if !self
+                    .backend()
+                    .admin()
+                    .has_control_table()
+                    .await
+                    .unwrap_or(true) =>
+            {
+                None
+            }
             Err(e) => return Err(e),
         };
         Ok(QueueStats {
@@ -559,6 +568,7 @@ impl<B: Backend, T> Queue<B, T> {
             ));
         }
         self.backend()
+            .admin()
             .list(table, state, page, crate::driver::clock::now_ms())
             .await
     }
@@ -602,6 +612,7 @@ impl<B: Backend, T> Queue<B, T> {
         self.check_dead("requeue", &which)?;
         let n = self
             .backend()
+            .admin()
             .requeue_dead(
                 &self.inner.shared.table,
                 &which,
@@ -619,6 +630,7 @@ impl<B: Backend, T> Queue<B, T> {
     pub async fn discard_dead(&self, which: DeadLetters) -> Result<u64> {
         self.check_dead("discard", &which)?;
         self.backend()
+            .admin()
             .discard_dead(&self.inner.shared.table, &which)
             .await
     }
@@ -651,6 +663,7 @@ impl<B: Backend, T> Queue<B, T> {
     pub async fn cancel(&self, id: i64) -> Result<()> {
         let change = self
             .backend()
+            .admin()
             .cancel(&self.inner.shared.table, id, crate::driver::clock::now_ms())
             .await?;
         self.row_change("cancel", id, change).map(drop)
@@ -664,6 +677,7 @@ impl<B: Backend, T> Queue<B, T> {
     pub async fn run_now(&self, id: i64) -> Result<()> {
         let change = self
             .backend()
+            .admin()
             .run_now(&self.inner.shared.table, id, crate::driver::clock::now_ms())
             .await?;
         if self.row_change("run now", id, change)? {
@@ -688,6 +702,7 @@ impl<B: Backend, T> Queue<B, T> {
         let now = crate::driver::clock::now_ms();
         let older = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
         self.backend()
+            .admin()
             .purge_finished(table, now.saturating_sub(older))
             .await
     }
@@ -708,8 +723,8 @@ impl<B: Backend, T> Queue<B, T> {
             by: by.to_owned(),
         };
         let name = self.inner.shared.name();
-        if !self.backend().set_pause(name, Some(&pause)).await? {
-            let since = match self.backend().pause_state(name).await? {
+        if !self.backend().admin().set_pause(name, Some(&pause)).await? {
+            let since = match self.backend().admin().pause_state(name).await? {
                 Some(p) => format!(" (since {} ms, by \"{}\")", p.since_ms, p.by),
                 None => String::new(),
             };
@@ -731,7 +746,7 @@ impl<B: Backend, T> Queue<B, T> {
     pub async fn resume(&self) -> Result<()> {
         self.require_control("resume").await?;
         let name = self.inner.shared.name();
-        if !self.backend().set_pause(name, None).await? {
+        if !self.backend().admin().set_pause(name, None).await? {
             return Err(self.refused("resume", "the queue is not paused"));
         }
         self.inner.shared.broker.pause_changed(name);
@@ -770,11 +785,14 @@ impl<B: Backend, T> Queue<B, T> {
     /// Whether the queue is paused, since when and by whom.
     pub async fn paused(&self) -> Result<Option<Pause>> {
         self.require_control("reading the pause").await?;
-        self.backend().pause_state(self.inner.shared.name()).await
+        self.backend()
+            .admin()
+            .pause_state(self.inner.shared.name())
+            .await
     }
 
     async fn require_control(&self, what: &'static str) -> Result<()> {
-        if self.backend().has_control_table().await? {
+        if self.backend().admin().has_control_table().await? {
             return Ok(());
         }
         Err(self.refused(

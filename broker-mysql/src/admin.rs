@@ -26,7 +26,7 @@
 //!
 //! These statements are not on the hot path: they are built per call.
 
-use broker_core::driver::{CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
 use broker_core::{
     ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -354,14 +354,15 @@ impl<'t> Frag<'t> {
     }
 }
 
-/// The admin operations of a MySQL / MariaDB backend.
-pub(crate) struct Admin<'a> {
+/// The operator statements of a MySQL / MariaDB backend ([`AdminDriver`]), borrowing its pool: what
+/// [`Backend::admin`](broker_core::Backend::admin) returns.
+pub struct MySqlAdmin<'a> {
     pub(crate) pool: &'a MySqlPool,
     /// Which server this is, read once (the locking clause of the row lock probe differs).
     pub(crate) flavor: &'a OnceCell<Flavor>,
 }
 
-impl Admin<'_> {
+impl MySqlAdmin<'_> {
     async fn conn(&self, table: &str) -> Result<Conn> {
         Conn::acquire(self.pool, table).await
     }
@@ -427,133 +428,6 @@ impl Admin<'_> {
             .map_err(|e| SqlxBrokerError::statement(t, name, e));
         conn.finish();
         out
-    }
-
-    pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
-        let rows = match t.mode_columns() {
-            ModeColumns::Advisory { key } => {
-                let q = stats_by_key(t, key, now_ms);
-                self.fetch_all(t, "stats", |_| q).await?
-            }
-            _ => {
-                self.fetch_all(t, "stats", |join| stats_by_row(t, now_ms, join))
-                    .await?
-            }
-        };
-        let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
-            table: t.name().to_owned(),
-            statement: "stats",
-            what: "the counts came back without a row".into(),
-        })?;
-        let get = |i: usize| -> Result<Option<i64>> {
-            row.try_get::<Option<i64>, _>(i)
-                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
-        };
-        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
-        Ok(StatsCounts {
-            due: count(get(0)?),
-            scheduled: count(get(1)?),
-            in_work: count(get(2)?),
-            retrying: count(get(3)?),
-            finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
-            dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
-            oldest_due_ms: get(6)?,
-        })
-    }
-
-    pub(crate) async fn list(
-        &self,
-        t: &TableDescription,
-        state: JobState,
-        page: Page,
-        now_ms: i64,
-    ) -> Result<Vec<JobInfo>> {
-        let f = Frag::new(t);
-        let build = |join: &str| -> Q {
-            let (unf, due, held) = (f.unfinished("q"), f.due("q", now_ms), f.held("q", now_ms));
-            let (from, join, filter) = match state {
-                JobState::Due => (f.table.clone(), join, all(&[&unf, &due, &not(&held)])),
-                JobState::Scheduled => {
-                    (f.table.clone(), join, all(&[&unf, &not(&due), &not(&held)]))
-                }
-                JobState::InWork => (f.table.clone(), join, all(&[&unf, &held])),
-                JobState::Retrying => (
-                    f.table.clone(),
-                    "",
-                    all(&[&unf, &Q::new(format!("{} > 1", f.col("q", t.attempt())))]),
-                ),
-                JobState::Finished => (
-                    f.table.clone(),
-                    "",
-                    Q::new(format!(
-                        "{} IS NOT NULL",
-                        f.col("q", t.processed_at().expect("checked by the core"))
-                    )),
-                ),
-                _ => {
-                    let (from, dead) = f.dead_letters("q");
-                    (from, "", Q::new(dead))
-                }
-            };
-            let time = |c: Option<&str>| {
-                c.map(|c| format!("CAST({} AS SIGNED)", read_ms(&f.col("q", c))))
-                    .unwrap_or_else(|| "CAST(NULL AS SIGNED)".into())
-            };
-            let finished_at = match state {
-                JobState::Finished => time(t.processed_at()),
-                JobState::Dead => time(f.dead_column()),
-                _ => time(None),
-            };
-            let cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES;
-            let payload = match t.payload() {
-                // Hex of the first bytes, enough to fill the preview and tell it was cut.
-                Some((p, ColumnType::Bytes)) => format!(
-                    "CONCAT({}, LOWER(HEX(LEFT({}, {}))))",
-                    literal("\\x"),
-                    f.col("q", p),
-                    cap / 2 + 1
-                ),
-                Some((p, _)) => format!("LEFT(CAST({} AS CHAR), {})", f.col("q", p), cap + 1),
-                None => "CAST(NULL AS CHAR)".into(),
-            };
-            let text_of = |c: Option<&str>| {
-                c.map(|c| format!("CAST({} AS CHAR)", f.col("q", c)))
-                    .unwrap_or_else(|| "CAST(NULL AS CHAR)".into())
-            };
-            Q::new(format!(
-                "SELECT CAST(q.{id} AS SIGNED), CAST({a} AS SIGNED), {due_ms}, {lu}, {finished_at}, \
-                 {key}, {group}, {payload}, {error} FROM {from} AS q{join} WHERE ",
-                id = f.id,
-                a = f.col("q", t.attempt()),
-                due_ms = time(t.due_at()),
-                lu = time(t.locked_until()),
-                key = t
-                    .advisory_lock()
-                    .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
-                group = text_of(t.group()),
-                error = text_of(t.last_error()),
-            ))
-            .and(&filter)
-            .push(&format!(" AND q.{} > ", f.id))
-            .int(page.after.unwrap_or(i64::MIN))
-            .push(&format!(" ORDER BY q.{} LIMIT ", f.id))
-            .int(i64::try_from(page.limit).unwrap_or(i64::MAX))
-        };
-        let rows = self.fetch_all(t, "list", build).await?;
-        rows.iter()
-            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
-                let mut info =
-                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
-                info.due_ms = r.try_get(2)?;
-                info.locked_until_ms = r.try_get(3)?;
-                info.finished_ms = r.try_get(4)?;
-                info.key = r.try_get(5)?;
-                info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
-            })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
     }
 
     /// In `tx`, locks the dead letters `which` names and returns their ids. Candidates are read
@@ -635,81 +509,6 @@ impl Admin<'_> {
         .await;
         conn.finish();
         out
-    }
-
-    pub(crate) async fn requeue_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        let f = Frag::new(t);
-        let err = |e| SqlxBrokerError::statement(t.name(), "requeue dead letters", e);
-        let table = f.table.clone();
-        // Back to a fresh row's state: attempt 1, due now, no lease.
-        let mut reset = Q::new(format!("{}.{} = 1", table, ident(t.attempt())));
-        if let Some(d) = t.due_at() {
-            reset = reset
-                .push(&format!(", {}.{} = ", table, ident(d)))
-                .time(now_ms);
-        }
-        if let Some(lu) = t.locked_until() {
-            reset = reset.push(&format!(", {}.{} = NULL", table, ident(lu)));
-        }
-        let dead_table = f.dead_table();
-        let dead_column = f.dead_column();
-        self.on_dead(t, "requeue dead letters", which, async |tx, ids| {
-            for chunk in ids.chunks(IDS_PER_STATEMENT) {
-                let mut steps = Vec::new();
-                if let Some(d) = &dead_table {
-                    // Back with their ids (an AUTO_INCREMENT column takes a given value); the
-                    // dead-letter table has the queue table's columns in its order (the DDL
-                    // helper makes it so).
-                    steps.push(
-                        Q::new(format!("INSERT INTO {table} SELECT * FROM {d} WHERE "))
-                            .and(&f.ids(d, chunk)),
-                    );
-                    steps.push(Q::new(format!("DELETE FROM {d} WHERE ")).and(&f.ids(d, chunk)));
-                }
-                let mut sets = reset.clone();
-                if let Some(c) = dead_column {
-                    sets = sets.push(&format!(", {}.{} = NULL", table, ident(c)));
-                }
-                steps.push(
-                    Q::new(format!("UPDATE {table} SET "))
-                        .and(&sets)
-                        .push(" WHERE ")
-                        .and(&f.ids(&table, chunk)),
-                );
-                for q in steps {
-                    q.query(false).execute(&mut *tx).await.map_err(err)?;
-                }
-            }
-            Ok(())
-        })
-        .await
-    }
-
-    pub(crate) async fn discard_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-    ) -> Result<u64> {
-        let f = Frag::new(t);
-        let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
-        let (from, _) = f.dead_letters("q");
-        self.on_dead(t, "discard dead letters", which, async |tx, ids| {
-            for chunk in ids.chunks(IDS_PER_STATEMENT) {
-                Q::new(format!("DELETE FROM {from} WHERE "))
-                    .and(&f.ids(&from, chunk))
-                    .query(false)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(err)?;
-            }
-            Ok(())
-        })
-        .await
     }
 
     /// Why row `id` was not changed: gone or finished, in work, or (`due`) due already.
@@ -879,138 +678,6 @@ impl Admin<'_> {
         }
         q
     }
-
-    pub(crate) async fn cancel(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<RowChange> {
-        let f = Frag::new(t);
-        let sql =
-            Q::new(format!("DELETE FROM {} WHERE ", f.table)).and(&self.target(t, id, now_ms));
-        self.fenced(t, "cancel", id, now_ms, sql).await
-    }
-
-    pub(crate) async fn run_now(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<RowChange> {
-        let f = Frag::new(t);
-        let Some(d) = t.due_at() else {
-            // Without a due time every unfinished row is due.
-            return self.why_not(t, id, now_ms).await;
-        };
-        let sql = Q::new(format!(
-            "UPDATE {} SET {}.{} = ",
-            f.table,
-            f.table,
-            ident(d)
-        ))
-        .time(now_ms)
-        .push(" WHERE ")
-        .and(&self.target(t, id, now_ms))
-        .push(" AND NOT ")
-        .and(&f.due(&f.table, now_ms));
-        self.fenced(t, "run now", id, now_ms, sql).await
-    }
-
-    pub(crate) async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
-        let f = Frag::new(t);
-        let p = f.col(&f.table, t.processed_at().expect("checked by the core"));
-        let err = |e| SqlxBrokerError::statement(t.name(), "purge", e);
-        let mut conn = self.conn(t.name()).await?;
-        // READ COMMITTED: the delete locks only the rows it deletes; a row a delivery holds is
-        // unfinished, so it is passed over (read as last committed) instead of waited for.
-        let purge = Q::new(format!(
-            "DELETE FROM {} WHERE {p} IS NOT NULL AND {p} < ",
-            f.table
-        ))
-        .time(before_ms);
-        let out = in_rc_tx(&mut conn, err, async |tx| {
-            purge
-                .query(true)
-                .execute(tx)
-                .await
-                .map(|r| r.rows_affected())
-                .map_err(err)
-        })
-        .await;
-        conn.finish();
-        out
-    }
-
-    pub(crate) async fn record_error(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> Result<()> {
-        let f = Frag::new(t);
-        let col = ident(t.last_error().expect("only called for tables with one"));
-        let target = match (dead, f.dead_table()) {
-            (true, Some(d)) => d,
-            _ => f.table.clone(),
-        };
-        let sql = Q::new(format!("UPDATE {target} SET {target}.{col} = "))
-            .text(last_error_text(error))
-            .push(&format!(" WHERE {target}.{} = ", f.id))
-            .int(id);
-        self.execute(t.name(), "record error", sql, true)
-            .await
-            .map(drop)
-    }
-
-    pub(crate) async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
-        let q = match pause {
-            Some(p) => Q::new(format!(
-                "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) VALUES ("
-            ))
-            .text(table)
-            .push(", ")
-            .int(p.since_ms)
-            .push(", ")
-            .text(p.by.clone())
-            .push(")"),
-            None => Q::new(format!("DELETE FROM {CONTROL_TABLE} WHERE queue = ")).text(table),
-        };
-        match self.execute(table, "pause", q, true).await {
-            Ok(n) => Ok(n > 0),
-            // Paused already: the queue is the primary key (duplicate entry, 1062).
-            Err(e) if e.sqlx_source().and_then(error_number) == Some(1062) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
-    pub(crate) async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
-        let mut conn = self.conn(table).await?;
-        let row: Result<Option<(i64, String)>> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT paused_at_ms, CAST(paused_by AS CHAR) FROM {CONTROL_TABLE} WHERE queue = ?"
-        )))
-        .bind(table)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(|e| SqlxBrokerError::statement(table, "pause state", e));
-        conn.finish();
-        Ok(row?.map(|(since_ms, by)| Pause { since_ms, by }))
-    }
-
-    pub(crate) async fn has_control_table(&self) -> Result<bool> {
-        let mut conn = self.conn("").await?;
-        let found: Result<i64> = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM information_schema.TABLES \
-             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
-        )
-        .bind(CONTROL_TABLE)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(|e| SqlxBrokerError::statement("", "control table check", e));
-        conn.finish();
-        Ok(found? > 0)
-    }
 }
 
 /// The counts of a lease or row lock table, in one statement: every row the statement's read
@@ -1147,6 +814,328 @@ pub(crate) fn unpause_ddl(table: &str) -> String {
 /// never created.
 pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
     sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+}
+
+impl AdminDriver for MySqlAdmin<'_> {
+    async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
+        let rows = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
+                let q = stats_by_key(t, key, now_ms);
+                self.fetch_all(t, "stats", |_| q).await?
+            }
+            _ => {
+                self.fetch_all(t, "stats", |join| stats_by_row(t, now_ms, join))
+                    .await?
+            }
+        };
+        let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
+            table: t.name().to_owned(),
+            statement: "stats",
+            what: "the counts came back without a row".into(),
+        })?;
+        let get = |i: usize| -> Result<Option<i64>> {
+            row.try_get::<Option<i64>, _>(i)
+                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+        };
+        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
+        Ok(StatsCounts {
+            due: count(get(0)?),
+            scheduled: count(get(1)?),
+            in_work: count(get(2)?),
+            retrying: count(get(3)?),
+            finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
+            dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
+            oldest_due_ms: get(6)?,
+        })
+    }
+
+    async fn list(
+        &self,
+        t: &TableDescription,
+        state: JobState,
+        page: Page,
+        now_ms: i64,
+    ) -> Result<Vec<JobInfo>> {
+        let f = Frag::new(t);
+        let build = |join: &str| -> Q {
+            let (unf, due, held) = (f.unfinished("q"), f.due("q", now_ms), f.held("q", now_ms));
+            let (from, join, filter) = match state {
+                JobState::Due => (f.table.clone(), join, all(&[&unf, &due, &not(&held)])),
+                JobState::Scheduled => {
+                    (f.table.clone(), join, all(&[&unf, &not(&due), &not(&held)]))
+                }
+                JobState::InWork => (f.table.clone(), join, all(&[&unf, &held])),
+                JobState::Retrying => (
+                    f.table.clone(),
+                    "",
+                    all(&[&unf, &Q::new(format!("{} > 1", f.col("q", t.attempt())))]),
+                ),
+                JobState::Finished => (
+                    f.table.clone(),
+                    "",
+                    Q::new(format!(
+                        "{} IS NOT NULL",
+                        f.col("q", t.processed_at().expect("checked by the core"))
+                    )),
+                ),
+                _ => {
+                    let (from, dead) = f.dead_letters("q");
+                    (from, "", Q::new(dead))
+                }
+            };
+            let time = |c: Option<&str>| {
+                c.map(|c| format!("CAST({} AS SIGNED)", read_ms(&f.col("q", c))))
+                    .unwrap_or_else(|| "CAST(NULL AS SIGNED)".into())
+            };
+            let finished_at = match state {
+                JobState::Finished => time(t.processed_at()),
+                JobState::Dead => time(f.dead_column()),
+                _ => time(None),
+            };
+            let cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES;
+            let payload = match t.payload() {
+                // Hex of the first bytes, enough to fill the preview and tell it was cut.
+                Some((p, ColumnType::Bytes)) => format!(
+                    "CONCAT({}, LOWER(HEX(LEFT({}, {}))))",
+                    literal("\\x"),
+                    f.col("q", p),
+                    cap / 2 + 1
+                ),
+                Some((p, _)) => format!("LEFT(CAST({} AS CHAR), {})", f.col("q", p), cap + 1),
+                None => "CAST(NULL AS CHAR)".into(),
+            };
+            let text_of = |c: Option<&str>| {
+                c.map(|c| format!("CAST({} AS CHAR)", f.col("q", c)))
+                    .unwrap_or_else(|| "CAST(NULL AS CHAR)".into())
+            };
+            Q::new(format!(
+                "SELECT CAST(q.{id} AS SIGNED), CAST({a} AS SIGNED), {due_ms}, {lu}, {finished_at}, \
+                 {key}, {group}, {payload}, {error} FROM {from} AS q{join} WHERE ",
+                id = f.id,
+                a = f.col("q", t.attempt()),
+                due_ms = time(t.due_at()),
+                lu = time(t.locked_until()),
+                key = t
+                    .advisory_lock()
+                    .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
+                group = text_of(t.group()),
+                error = text_of(t.last_error()),
+            ))
+            .and(&filter)
+            .push(&format!(" AND q.{} > ", f.id))
+            .int(page.after.unwrap_or(i64::MIN))
+            .push(&format!(" ORDER BY q.{} LIMIT ", f.id))
+            .int(i64::try_from(page.limit).unwrap_or(i64::MAX))
+        };
+        let rows = self.fetch_all(t, "list", build).await?;
+        rows.iter()
+            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
+                let mut info =
+                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
+                info.due_ms = r.try_get(2)?;
+                info.locked_until_ms = r.try_get(3)?;
+                info.finished_ms = r.try_get(4)?;
+                info.key = r.try_get(5)?;
+                info.group = r.try_get(6)?;
+                info.last_error = r.try_get(8)?;
+                Ok(info)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
+    }
+
+    async fn requeue_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+        now_ms: i64,
+    ) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "requeue dead letters", e);
+        let table = f.table.clone();
+        // Back to a fresh row's state: attempt 1, due now, no lease.
+        let mut reset = Q::new(format!("{}.{} = 1", table, ident(t.attempt())));
+        if let Some(d) = t.due_at() {
+            reset = reset
+                .push(&format!(", {}.{} = ", table, ident(d)))
+                .time(now_ms);
+        }
+        if let Some(lu) = t.locked_until() {
+            reset = reset.push(&format!(", {}.{} = NULL", table, ident(lu)));
+        }
+        let dead_table = f.dead_table();
+        let dead_column = f.dead_column();
+        self.on_dead(t, "requeue dead letters", which, async |tx, ids| {
+            for chunk in ids.chunks(IDS_PER_STATEMENT) {
+                let mut steps = Vec::new();
+                if let Some(d) = &dead_table {
+                    // Back with their ids (an AUTO_INCREMENT column takes a given value); the
+                    // dead-letter table has the queue table's columns in its order (the DDL
+                    // helper makes it so).
+                    steps.push(
+                        Q::new(format!("INSERT INTO {table} SELECT * FROM {d} WHERE "))
+                            .and(&f.ids(d, chunk)),
+                    );
+                    steps.push(Q::new(format!("DELETE FROM {d} WHERE ")).and(&f.ids(d, chunk)));
+                }
+                let mut sets = reset.clone();
+                if let Some(c) = dead_column {
+                    sets = sets.push(&format!(", {}.{} = NULL", table, ident(c)));
+                }
+                steps.push(
+                    Q::new(format!("UPDATE {table} SET "))
+                        .and(&sets)
+                        .push(" WHERE ")
+                        .and(&f.ids(&table, chunk)),
+                );
+                for q in steps {
+                    q.query(false).execute(&mut *tx).await.map_err(err)?;
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn discard_dead(&self, t: &TableDescription, which: &DeadLetters) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
+        let (from, _) = f.dead_letters("q");
+        self.on_dead(t, "discard dead letters", which, async |tx, ids| {
+            for chunk in ids.chunks(IDS_PER_STATEMENT) {
+                Q::new(format!("DELETE FROM {from} WHERE "))
+                    .and(&f.ids(&from, chunk))
+                    .query(false)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn cancel(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let sql =
+            Q::new(format!("DELETE FROM {} WHERE ", f.table)).and(&self.target(t, id, now_ms));
+        self.fenced(t, "cancel", id, now_ms, sql).await
+    }
+
+    async fn run_now(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+        let f = Frag::new(t);
+        let Some(d) = t.due_at() else {
+            // Without a due time every unfinished row is due.
+            return self.why_not(t, id, now_ms).await;
+        };
+        let sql = Q::new(format!(
+            "UPDATE {} SET {}.{} = ",
+            f.table,
+            f.table,
+            ident(d)
+        ))
+        .time(now_ms)
+        .push(" WHERE ")
+        .and(&self.target(t, id, now_ms))
+        .push(" AND NOT ")
+        .and(&f.due(&f.table, now_ms));
+        self.fenced(t, "run now", id, now_ms, sql).await
+    }
+
+    async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
+        let f = Frag::new(t);
+        let p = f.col(&f.table, t.processed_at().expect("checked by the core"));
+        let err = |e| SqlxBrokerError::statement(t.name(), "purge", e);
+        let mut conn = self.conn(t.name()).await?;
+        // READ COMMITTED: the delete locks only the rows it deletes; a row a delivery holds is
+        // unfinished, so it is passed over (read as last committed) instead of waited for.
+        let purge = Q::new(format!(
+            "DELETE FROM {} WHERE {p} IS NOT NULL AND {p} < ",
+            f.table
+        ))
+        .time(before_ms);
+        let out = in_rc_tx(&mut conn, err, async |tx| {
+            purge
+                .query(true)
+                .execute(tx)
+                .await
+                .map(|r| r.rows_affected())
+                .map_err(err)
+        })
+        .await;
+        conn.finish();
+        out
+    }
+
+    async fn record_error(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        error: &str,
+        dead: bool,
+    ) -> Result<()> {
+        let f = Frag::new(t);
+        let col = ident(t.last_error().expect("only called for tables with one"));
+        let target = match (dead, f.dead_table()) {
+            (true, Some(d)) => d,
+            _ => f.table.clone(),
+        };
+        let sql = Q::new(format!("UPDATE {target} SET {target}.{col} = "))
+            .text(last_error_text(error))
+            .push(&format!(" WHERE {target}.{} = ", f.id))
+            .int(id);
+        self.execute(t.name(), "record error", sql, true)
+            .await
+            .map(drop)
+    }
+
+    async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
+        let q = match pause {
+            Some(p) => Q::new(format!(
+                "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) VALUES ("
+            ))
+            .text(table)
+            .push(", ")
+            .int(p.since_ms)
+            .push(", ")
+            .text(p.by.clone())
+            .push(")"),
+            None => Q::new(format!("DELETE FROM {CONTROL_TABLE} WHERE queue = ")).text(table),
+        };
+        match self.execute(table, "pause", q, true).await {
+            Ok(n) => Ok(n > 0),
+            // Paused already: the queue is the primary key (duplicate entry, 1062).
+            Err(e) if e.sqlx_source().and_then(error_number) == Some(1062) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
+        let mut conn = self.conn(table).await?;
+        let row: Result<Option<(i64, String)>> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT paused_at_ms, CAST(paused_by AS CHAR) FROM {CONTROL_TABLE} WHERE queue = ?"
+        )))
+        .bind(table)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "pause state", e));
+        conn.finish();
+        Ok(row?.map(|(since_ms, by)| Pause { since_ms, by }))
+    }
+
+    async fn has_control_table(&self) -> Result<bool> {
+        let mut conn = self.conn("").await?;
+        let found: Result<i64> = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.TABLES \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+        )
+        .bind(CONTROL_TABLE)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| SqlxBrokerError::statement("", "control table check", e));
+        conn.finish();
+        Ok(found? > 0)
+    }
 }
 
 #[cfg(test)]

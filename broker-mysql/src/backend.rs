@@ -159,13 +159,6 @@ impl MySqlBackend {
     }
 
     /// The admin operations on this backend's pool.
-    fn admin(&self) -> crate::admin::Admin<'_> {
-        crate::admin::Admin {
-            pool: &self.pool,
-            flavor: &self.flavor,
-        }
-    }
-
     async fn id_strategy(&self, conn: &mut MySqlConnection, table: &str) -> Result<IdStrategy> {
         self.ids
             .get_or_try_init(|| async {
@@ -301,6 +294,16 @@ fn bind_value<'q>(
 
 impl Backend for MySqlBackend {
     type Db = MySql;
+
+    type Admin<'a> = crate::admin::MySqlAdmin<'a>;
+
+    fn admin(&self) -> Self::Admin<'_> {
+        crate::admin::MySqlAdmin {
+            pool: &self.pool,
+            flavor: &self.flavor,
+        }
+    }
+
     type RowLock = MySqlRowLock;
     type Lease = MySqlLease;
     type Advisory = MySqlAdvisory;
@@ -607,85 +610,6 @@ impl Backend for MySqlBackend {
         options: &broker_core::DoctorOptions,
     ) -> Vec<broker_core::Check> {
         crate::doctor::checks(&self.pool, table, options).await
-    }
-
-    async fn stats(
-        &self,
-        table: &TableDescription,
-        now_ms: i64,
-    ) -> Result<broker_core::driver::StatsCounts> {
-        self.admin().stats(table, now_ms).await
-    }
-
-    async fn list(
-        &self,
-        table: &TableDescription,
-        state: broker_core::JobState,
-        page: broker_core::Page,
-        now_ms: i64,
-    ) -> Result<Vec<broker_core::JobInfo>> {
-        self.admin().list(table, state, page, now_ms).await
-    }
-
-    async fn requeue_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        self.admin().requeue_dead(table, which, now_ms).await
-    }
-
-    async fn discard_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-    ) -> Result<u64> {
-        self.admin().discard_dead(table, which).await
-    }
-
-    async fn cancel(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        self.admin().cancel(table, id, now_ms).await
-    }
-
-    async fn run_now(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        self.admin().run_now(table, id, now_ms).await
-    }
-
-    async fn purge_finished(&self, table: &TableDescription, before_ms: i64) -> Result<u64> {
-        self.admin().purge_finished(table, before_ms).await
-    }
-
-    async fn record_error(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> Result<()> {
-        self.admin().record_error(table, id, error, dead).await
-    }
-
-    async fn set_pause(&self, table: &str, pause: Option<&broker_core::Pause>) -> Result<bool> {
-        self.admin().set_pause(table, pause).await
-    }
-
-    async fn pause_state(&self, table: &str) -> Result<Option<broker_core::Pause>> {
-        self.admin().pause_state(table).await
-    }
-
-    async fn has_control_table(&self) -> Result<bool> {
-        self.admin().has_control_table().await
     }
 
     async fn listen(

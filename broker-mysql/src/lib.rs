@@ -170,6 +170,7 @@ mod sql;
 mod version;
 mod window;
 
+pub use admin::MySqlAdmin;
 pub use advisory::{MAX_LOCK_NAME_CHARS, lock_name};
 pub use backend::{MySqlBackend, MySqlBroker};
 pub use broker_core::api::*;

@@ -13,7 +13,7 @@
 //! These statements are not on the hot path: they are built per call and sent unnamed where
 //! the backend is behind a transaction-mode pooler.
 
-use broker_core::driver::{CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
 use broker_core::{
     ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -174,14 +174,15 @@ fn bind_which<'q>(
     }
 }
 
-/// The admin operations of a PostgreSQL backend.
-pub(crate) struct Admin<'a> {
+/// The operator statements of a PostgreSQL backend ([`AdminDriver`]), borrowing its pool: what
+/// [`Backend::admin`](broker_core::Backend::admin) returns.
+pub struct PgAdmin<'a> {
     pub(crate) pool: &'a PgPool,
     /// Whether statements may be prepared under a name (not behind a transaction-mode pooler).
     pub(crate) prepared: bool,
 }
 
-impl Admin<'_> {
+impl PgAdmin<'_> {
     fn query(
         &self,
         sql: String,
@@ -215,38 +216,6 @@ impl Admin<'_> {
             .and_then(|rest| rest.split(' ').next())
             .and_then(|n| n.parse().ok())
             .unwrap_or(0))
-    }
-
-    /// Counts by state. Up to [`EXACT_ROWS`](broker_core::admin::EXACT_ROWS) rows (by the
-    /// planner's estimate) every row is read and the counts are exact; past that, the counts
-    /// come from a sample of the table's pages (`TABLESAMPLE SYSTEM`, about that many rows)
-    /// scaled to the table and are marked as estimates, and the oldest due row is found
-    /// through the claim index, so one call stays cheap on a table of millions.
-    pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
-        let planned = self.planned_rows(t, &ident(t.name())).await?;
-        let exact_rows = broker_core::admin::EXACT_ROWS;
-        if planned <= exact_rows {
-            return self.counted(t, now_ms, None).await;
-        }
-        // Precision loss is irrelevant to a sampling percentage.
-        #[allow(clippy::cast_precision_loss)]
-        let percent = (exact_rows as f64 * 100.0 / planned as f64).clamp(0.001, 100.0);
-        let mut counts = self.counted(t, now_ms, Some(percent)).await?;
-        counts.oldest_due_ms = self.oldest_due(t, now_ms).await?;
-        if let Some(d) = Frag::new(t).dead_table() {
-            let planned_dead = self.planned_rows(t, &d).await?;
-            counts.dead = Some(if planned_dead <= exact_rows {
-                let n: i64 = self
-                    .fetch_one(t, "stats", self.query(format!("SELECT count(*) FROM {d}")))
-                    .await?
-                    .try_get(0)
-                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
-                Count::exact(u64::try_from(n).unwrap_or(0))
-            } else {
-                Count::estimate(planned_dead)
-            });
-        }
-        Ok(counts)
     }
 
     /// The due time of the oldest row a claim could take now, through the claim index.
@@ -400,105 +369,6 @@ impl Admin<'_> {
             .map_err(|e| SqlxBrokerError::statement(t.name(), name, e))
     }
 
-    pub(crate) async fn list(
-        &self,
-        t: &TableDescription,
-        state: JobState,
-        page: Page,
-        now_ms: i64,
-    ) -> Result<Vec<JobInfo>> {
-        let f = Frag::new(t);
-        let (unf, due, held) = (f.unfinished(), f.due(), f.held());
-        let (from, filter) = match state {
-            JobState::Due => (f.table.clone(), format!("{unf} AND {due} AND NOT {held}")),
-            JobState::Scheduled => (
-                f.table.clone(),
-                format!("{unf} AND NOT {due} AND NOT {held}"),
-            ),
-            JobState::InWork => (f.table.clone(), format!("{unf} AND {held}")),
-            JobState::Retrying => (
-                f.table.clone(),
-                format!("{unf} AND q.{} > 1", ident(t.attempt())),
-            ),
-            JobState::Finished => (
-                f.table.clone(),
-                format!(
-                    "{} IS NOT NULL AND $1::int8 IS NOT NULL",
-                    f.col(t.processed_at().expect("checked by the core"))
-                ),
-            ),
-            _ => match (f.dead_column(), f.dead_table()) {
-                (Some(c), _) => (
-                    f.table.clone(),
-                    format!("{c} IS NOT NULL AND $1::int8 IS NOT NULL"),
-                ),
-                (None, Some(d)) => (d, "$1::int8 IS NOT NULL".into()),
-                (None, None) => unreachable!("checked by the core"),
-            },
-        };
-        let time = |c: Option<&str>| {
-            c.map(|c| ms_or_null(&f.col(c)))
-                .unwrap_or_else(|| "NULL::int8".into())
-        };
-        let finished_at = match state {
-            JobState::Finished => time(t.processed_at()),
-            JobState::Dead => f
-                .dead_column()
-                .map(|c| ms_or_null(&c))
-                .unwrap_or_else(|| "NULL::int8".into()),
-            _ => "NULL::int8".into(),
-        };
-        let payload = match t.payload() {
-            Some((p, broker_core::ColumnType::Bytes)) => {
-                format!("'\\x' || encode({}, 'hex')", f.col(p))
-            }
-            Some((p, _)) => format!("{}::text", f.col(p)),
-            None => "NULL::text".into(),
-        };
-        let text_of = |c: Option<&str>| {
-            c.map(|c| format!("{}::text", f.col(c)))
-                .unwrap_or_else(|| "NULL::text".into())
-        };
-        let sql = format!(
-            "{with}SELECT q.{id}::int8, q.{a}::int8, {due_ms}, {lu}, {finished_at}, {key}, {group}, \
-             left({payload}, {cap} + 1), {error} FROM {from} AS q \
-             WHERE {filter} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
-            id = f.id,
-            a = ident(t.attempt()),
-            due_ms = time(t.due_at()),
-            lu = time(t.locked_until()),
-            key = t
-                .advisory_lock()
-                .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
-            group = text_of(t.group()),
-            error = text_of(t.last_error()),
-            cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
-            with = f.held_locks(),
-        );
-        let q = self
-            .query(sql)
-            .bind(now_ms)
-            .bind(page.after.unwrap_or(i64::MIN))
-            .bind(i64::try_from(page.limit).unwrap_or(i64::MAX));
-        let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
-            .await
-            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;
-        rows.iter()
-            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
-                let mut info =
-                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
-                info.due_ms = r.try_get(2)?;
-                info.locked_until_ms = r.try_get(3)?;
-                info.finished_ms = r.try_get(4)?;
-                info.key = r.try_get(5)?;
-                info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
-            })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
-    }
-
     /// With [`DeadLetters::Ids`], checks in `tx` that every id is a dead letter, locking them.
     async fn all_dead(
         &self,
@@ -533,116 +403,6 @@ impl Admin<'_> {
             }),
             None => Ok(()),
         }
-    }
-
-    pub(crate) async fn requeue_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        let f = Frag::new(t);
-        let err = |e| SqlxBrokerError::statement(t.name(), "requeue dead letters", e);
-        let mut tx = self.begin(t.name()).await?;
-        self.all_dead(&mut tx, t, which).await?;
-        // Back to a fresh row's state: attempt 1, due now, no lease.
-        let mut reset = vec![format!("{} = 1", ident(t.attempt()))];
-        if let Some(d) = t.due_at() {
-            reset.push(format!("{} = {}", ident(d), ts("$1")));
-        }
-        if let Some(lu) = t.locked_until() {
-            reset.push(format!("{} = NULL", ident(lu)));
-        }
-        let moved = match (f.dead_column(), f.dead_table()) {
-            (Some(c), _) => {
-                let sql = format!(
-                    "UPDATE {table} AS q SET {c0} = NULL, {reset} WHERE {c} IS NOT NULL AND {which} \
-                     AND $1::int8 IS NOT NULL",
-                    table = f.table,
-                    c0 = ident(match t.dead_letter() {
-                        Some(DeadLetter::Column(c)) => c,
-                        _ => unreachable!(),
-                    }),
-                    reset = reset.join(", "),
-                    which = f.which(which, 2),
-                );
-                bind_which(self.query(sql).bind(now_ms), which)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(err)?
-                    .rows_affected()
-            }
-            (None, Some(d)) => {
-                // One statement moves the rows back (with their ids: the identity column takes
-                // them with OVERRIDING SYSTEM VALUE), the next resets them. The dead-letter table
-                // has the queue table's columns in its order (the DDL helper makes it so).
-                let sql = format!(
-                    "WITH sqlx_broker_back AS (DELETE FROM {d} AS q WHERE {which} RETURNING q.*) \
-                     INSERT INTO {table} OVERRIDING SYSTEM VALUE SELECT * FROM sqlx_broker_back \
-                     RETURNING {id}::int8",
-                    table = f.table,
-                    id = f.id,
-                    which = f.which(which, 1),
-                );
-                let q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).persistent(self.prepared);
-                let q = match which {
-                    DeadLetters::Ids(ids) => q.bind(ids.clone()),
-                    DeadLetters::ErrorContains(text) => q.bind(text.clone()),
-                    _ => q.bind(None::<String>),
-                };
-                let ids = q.fetch_all(&mut *tx).await.map_err(err)?;
-                if !ids.is_empty() {
-                    let sql = format!(
-                        "UPDATE {table} AS q SET {reset} WHERE q.{id} = ANY($2::int8[])",
-                        table = f.table,
-                        id = f.id,
-                        reset = reset.join(", "),
-                    );
-                    let sql = if t.due_at().is_some() {
-                        sql
-                    } else {
-                        sql.replace("WHERE", "WHERE $1::int8 IS NOT NULL AND")
-                    };
-                    self.query(sql)
-                        .bind(now_ms)
-                        .bind(ids.clone())
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(err)?;
-                }
-                u64::try_from(ids.len()).unwrap_or(u64::MAX)
-            }
-            (None, None) => unreachable!("checked by the core"),
-        };
-        tx.commit().await.map_err(err)?;
-        Ok(moved)
-    }
-
-    pub(crate) async fn discard_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-    ) -> Result<u64> {
-        let f = Frag::new(t);
-        let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
-        let mut tx = self.begin(t.name()).await?;
-        self.all_dead(&mut tx, t, which).await?;
-        let sql = match (f.dead_column(), f.dead_table()) {
-            (Some(c), _) => format!(
-                "DELETE FROM {} AS q WHERE {c} IS NOT NULL AND {}",
-                f.table,
-                f.which(which, 1)
-            ),
-            (None, Some(d)) => format!("DELETE FROM {d} AS q WHERE {}", f.which(which, 1)),
-            (None, None) => unreachable!("checked by the core"),
-        };
-        let n = bind_which(self.query(sql), which)
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?
-            .rows_affected();
-        tx.commit().await.map_err(err)?;
-        Ok(n)
     }
 
     /// Why row `id` was not changed: gone or finished, in work, or (`due`) due already.
@@ -755,13 +515,255 @@ impl Admin<'_> {
             _ => format!("q.{} = $2::int8 AND {unf}", f.id),
         }
     }
+}
 
-    pub(crate) async fn cancel(
+/// The control table's DDL (see [`CONTROL_TABLE`]).
+pub(crate) fn control_ddl() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {CONTROL_TABLE} (queue TEXT PRIMARY KEY, \
+         paused_at_ms BIGINT NOT NULL, paused_by TEXT NOT NULL)"
+    )
+}
+
+impl AdminDriver for PgAdmin<'_> {
+    /// Counts by state. Up to [`EXACT_ROWS`](broker_core::admin::EXACT_ROWS) rows (by the
+    /// planner's estimate) every row is read and the counts are exact; past that, the counts
+    /// come from a sample of the table's pages (`TABLESAMPLE SYSTEM`, about that many rows)
+    /// scaled to the table and are marked as estimates, and the oldest due row is found
+    /// through the claim index, so one call stays cheap on a table of millions.
+    async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
+        let planned = self.planned_rows(t, &ident(t.name())).await?;
+        let exact_rows = broker_core::admin::EXACT_ROWS;
+        if planned <= exact_rows {
+            return self.counted(t, now_ms, None).await;
+        }
+        // Precision loss is irrelevant to a sampling percentage.
+        #[allow(clippy::cast_precision_loss)]
+        let percent = (exact_rows as f64 * 100.0 / planned as f64).clamp(0.001, 100.0);
+        let mut counts = self.counted(t, now_ms, Some(percent)).await?;
+        counts.oldest_due_ms = self.oldest_due(t, now_ms).await?;
+        if let Some(d) = Frag::new(t).dead_table() {
+            let planned_dead = self.planned_rows(t, &d).await?;
+            counts.dead = Some(if planned_dead <= exact_rows {
+                let n: i64 = self
+                    .fetch_one(t, "stats", self.query(format!("SELECT count(*) FROM {d}")))
+                    .await?
+                    .try_get(0)
+                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+                Count::exact(u64::try_from(n).unwrap_or(0))
+            } else {
+                Count::estimate(planned_dead)
+            });
+        }
+        Ok(counts)
+    }
+
+    async fn list(
         &self,
         t: &TableDescription,
-        id: i64,
+        state: JobState,
+        page: Page,
         now_ms: i64,
-    ) -> Result<RowChange> {
+    ) -> Result<Vec<JobInfo>> {
+        let f = Frag::new(t);
+        let (unf, due, held) = (f.unfinished(), f.due(), f.held());
+        let (from, filter) = match state {
+            JobState::Due => (f.table.clone(), format!("{unf} AND {due} AND NOT {held}")),
+            JobState::Scheduled => (
+                f.table.clone(),
+                format!("{unf} AND NOT {due} AND NOT {held}"),
+            ),
+            JobState::InWork => (f.table.clone(), format!("{unf} AND {held}")),
+            JobState::Retrying => (
+                f.table.clone(),
+                format!("{unf} AND q.{} > 1", ident(t.attempt())),
+            ),
+            JobState::Finished => (
+                f.table.clone(),
+                format!(
+                    "{} IS NOT NULL AND $1::int8 IS NOT NULL",
+                    f.col(t.processed_at().expect("checked by the core"))
+                ),
+            ),
+            _ => match (f.dead_column(), f.dead_table()) {
+                (Some(c), _) => (
+                    f.table.clone(),
+                    format!("{c} IS NOT NULL AND $1::int8 IS NOT NULL"),
+                ),
+                (None, Some(d)) => (d, "$1::int8 IS NOT NULL".into()),
+                (None, None) => unreachable!("checked by the core"),
+            },
+        };
+        let time = |c: Option<&str>| {
+            c.map(|c| ms_or_null(&f.col(c)))
+                .unwrap_or_else(|| "NULL::int8".into())
+        };
+        let finished_at = match state {
+            JobState::Finished => time(t.processed_at()),
+            JobState::Dead => f
+                .dead_column()
+                .map(|c| ms_or_null(&c))
+                .unwrap_or_else(|| "NULL::int8".into()),
+            _ => "NULL::int8".into(),
+        };
+        let payload = match t.payload() {
+            Some((p, broker_core::ColumnType::Bytes)) => {
+                format!("'\\x' || encode({}, 'hex')", f.col(p))
+            }
+            Some((p, _)) => format!("{}::text", f.col(p)),
+            None => "NULL::text".into(),
+        };
+        let text_of = |c: Option<&str>| {
+            c.map(|c| format!("{}::text", f.col(c)))
+                .unwrap_or_else(|| "NULL::text".into())
+        };
+        let sql = format!(
+            "{with}SELECT q.{id}::int8, q.{a}::int8, {due_ms}, {lu}, {finished_at}, {key}, {group}, \
+             left({payload}, {cap} + 1), {error} FROM {from} AS q \
+             WHERE {filter} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
+            id = f.id,
+            a = ident(t.attempt()),
+            due_ms = time(t.due_at()),
+            lu = time(t.locked_until()),
+            key = t
+                .advisory_lock()
+                .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
+            group = text_of(t.group()),
+            error = text_of(t.last_error()),
+            cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
+            with = f.held_locks(),
+        );
+        let q = self
+            .query(sql)
+            .bind(now_ms)
+            .bind(page.after.unwrap_or(i64::MIN))
+            .bind(i64::try_from(page.limit).unwrap_or(i64::MAX));
+        let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;
+        rows.iter()
+            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
+                let mut info =
+                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
+                info.due_ms = r.try_get(2)?;
+                info.locked_until_ms = r.try_get(3)?;
+                info.finished_ms = r.try_get(4)?;
+                info.key = r.try_get(5)?;
+                info.group = r.try_get(6)?;
+                info.last_error = r.try_get(8)?;
+                Ok(info)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
+    }
+
+    async fn requeue_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+        now_ms: i64,
+    ) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "requeue dead letters", e);
+        let mut tx = self.begin(t.name()).await?;
+        self.all_dead(&mut tx, t, which).await?;
+        // Back to a fresh row's state: attempt 1, due now, no lease.
+        let mut reset = vec![format!("{} = 1", ident(t.attempt()))];
+        if let Some(d) = t.due_at() {
+            reset.push(format!("{} = {}", ident(d), ts("$1")));
+        }
+        if let Some(lu) = t.locked_until() {
+            reset.push(format!("{} = NULL", ident(lu)));
+        }
+        let moved = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => {
+                let sql = format!(
+                    "UPDATE {table} AS q SET {c0} = NULL, {reset} WHERE {c} IS NOT NULL AND {which} \
+                     AND $1::int8 IS NOT NULL",
+                    table = f.table,
+                    c0 = ident(match t.dead_letter() {
+                        Some(DeadLetter::Column(c)) => c,
+                        _ => unreachable!(),
+                    }),
+                    reset = reset.join(", "),
+                    which = f.which(which, 2),
+                );
+                bind_which(self.query(sql).bind(now_ms), which)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?
+                    .rows_affected()
+            }
+            (None, Some(d)) => {
+                // One statement moves the rows back (with their ids: the identity column takes
+                // them with OVERRIDING SYSTEM VALUE), the next resets them. The dead-letter table
+                // has the queue table's columns in its order (the DDL helper makes it so).
+                let sql = format!(
+                    "WITH sqlx_broker_back AS (DELETE FROM {d} AS q WHERE {which} RETURNING q.*) \
+                     INSERT INTO {table} OVERRIDING SYSTEM VALUE SELECT * FROM sqlx_broker_back \
+                     RETURNING {id}::int8",
+                    table = f.table,
+                    id = f.id,
+                    which = f.which(which, 1),
+                );
+                let q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).persistent(self.prepared);
+                let q = match which {
+                    DeadLetters::Ids(ids) => q.bind(ids.clone()),
+                    DeadLetters::ErrorContains(text) => q.bind(text.clone()),
+                    _ => q.bind(None::<String>),
+                };
+                let ids = q.fetch_all(&mut *tx).await.map_err(err)?;
+                if !ids.is_empty() {
+                    let sql = format!(
+                        "UPDATE {table} AS q SET {reset} WHERE q.{id} = ANY($2::int8[])",
+                        table = f.table,
+                        id = f.id,
+                        reset = reset.join(", "),
+                    );
+                    let sql = if t.due_at().is_some() {
+                        sql
+                    } else {
+                        sql.replace("WHERE", "WHERE $1::int8 IS NOT NULL AND")
+                    };
+                    self.query(sql)
+                        .bind(now_ms)
+                        .bind(ids.clone())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(err)?;
+                }
+                u64::try_from(ids.len()).unwrap_or(u64::MAX)
+            }
+            (None, None) => unreachable!("checked by the core"),
+        };
+        tx.commit().await.map_err(err)?;
+        Ok(moved)
+    }
+
+    async fn discard_dead(&self, t: &TableDescription, which: &DeadLetters) -> Result<u64> {
+        let f = Frag::new(t);
+        let err = |e| SqlxBrokerError::statement(t.name(), "discard dead letters", e);
+        let mut tx = self.begin(t.name()).await?;
+        self.all_dead(&mut tx, t, which).await?;
+        let sql = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => format!(
+                "DELETE FROM {} AS q WHERE {c} IS NOT NULL AND {}",
+                f.table,
+                f.which(which, 1)
+            ),
+            (None, Some(d)) => format!("DELETE FROM {d} AS q WHERE {}", f.which(which, 1)),
+            (None, None) => unreachable!("checked by the core"),
+        };
+        let n = bind_which(self.query(sql), which)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?
+            .rows_affected();
+        tx.commit().await.map_err(err)?;
+        Ok(n)
+    }
+
+    async fn cancel(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
         let f = Frag::new(t);
         let sql = format!(
             "DELETE FROM {} AS q WHERE {} AND $1::int8 IS NOT NULL",
@@ -771,12 +773,7 @@ impl Admin<'_> {
         self.fenced(t, "cancel", id, now_ms, sql).await
     }
 
-    pub(crate) async fn run_now(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<RowChange> {
+    async fn run_now(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
         let f = Frag::new(t);
         let Some(d) = t.due_at() else {
             // Without a due time every unfinished row is due.
@@ -793,7 +790,7 @@ impl Admin<'_> {
         self.fenced(t, "run now", id, now_ms, sql).await
     }
 
-    pub(crate) async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
+    async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
         let f = Frag::new(t);
         let p = f.col(t.processed_at().expect("checked by the core"));
         let sql = format!(
@@ -805,7 +802,7 @@ impl Admin<'_> {
             .await
     }
 
-    pub(crate) async fn record_error(
+    async fn record_error(
         &self,
         t: &TableDescription,
         id: i64,
@@ -833,7 +830,7 @@ impl Admin<'_> {
         .map(drop)
     }
 
-    pub(crate) async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
+    async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
         let err = |e| SqlxBrokerError::statement(table, "pause", e);
         let q = match pause {
             Some(p) => self
@@ -856,7 +853,7 @@ impl Admin<'_> {
             .map_err(err)
     }
 
-    pub(crate) async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
+    async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
         let q = sqlx::query_as::<_, (i64, String)>(AssertSqlSafe(format!(
             "SELECT paused_at_ms, paused_by FROM {CONTROL_TABLE} WHERE queue = $1::text"
         )))
@@ -868,7 +865,7 @@ impl Admin<'_> {
         Ok(row.map(|(since_ms, by)| Pause { since_ms, by }))
     }
 
-    pub(crate) async fn has_control_table(&self) -> Result<bool> {
+    async fn has_control_table(&self) -> Result<bool> {
         let q = sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!(
             "SELECT to_regclass('{CONTROL_TABLE}') IS NOT NULL"
         )))
@@ -877,12 +874,4 @@ impl Admin<'_> {
             .await
             .map_err(|e| SqlxBrokerError::statement("", "control table check", e))
     }
-}
-
-/// The control table's DDL (see [`CONTROL_TABLE`]).
-pub(crate) fn control_ddl() -> String {
-    format!(
-        "CREATE TABLE IF NOT EXISTS {CONTROL_TABLE} (queue TEXT PRIMARY KEY, \
-         paused_at_ms BIGINT NOT NULL, paused_by TEXT NOT NULL)"
-    )
 }

@@ -108,13 +108,6 @@ impl PgBackend {
     }
 
     /// The admin operations on this backend's pool.
-    fn admin(&self) -> crate::admin::Admin<'_> {
-        crate::admin::Admin {
-            pool: &self.pool,
-            prepared: self.prepared(),
-        }
-    }
-
     /// Whether statements go prepared under a name: not behind a transaction-mode pooler.
     fn prepared(&self) -> bool {
         !self.pooled.get().copied().unwrap_or(false)
@@ -350,6 +343,16 @@ where
 
 impl Backend for PgBackend {
     type Db = Postgres;
+
+    type Admin<'a> = crate::admin::PgAdmin<'a>;
+
+    fn admin(&self) -> Self::Admin<'_> {
+        crate::admin::PgAdmin {
+            pool: &self.pool,
+            prepared: self.prepared(),
+        }
+    }
+
     type RowLock = PgRowLock;
     type Lease = PgLease;
     type Advisory = PgAdvisory;
@@ -737,93 +740,6 @@ impl Backend for PgBackend {
         options: &broker_core::DoctorOptions,
     ) -> Vec<broker_core::Check> {
         crate::doctor::checks(&self.pool, table, options).await
-    }
-
-    async fn stats(
-        &self,
-        table: &TableDescription,
-        now_ms: i64,
-    ) -> Result<broker_core::driver::StatsCounts> {
-        self.admin().stats(table, now_ms).await
-    }
-
-    async fn list(
-        &self,
-        table: &TableDescription,
-        state: broker_core::JobState,
-        page: broker_core::Page,
-        now_ms: i64,
-    ) -> Result<Vec<broker_core::JobInfo>> {
-        self.admin().list(table, state, page, now_ms).await
-    }
-
-    async fn requeue_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        let n = self.admin().requeue_dead(table, which, now_ms).await?;
-        if n > 0 {
-            self.notifier.table(&self.pool, table.name()).poke();
-        }
-        Ok(n)
-    }
-
-    async fn discard_dead(
-        &self,
-        table: &TableDescription,
-        which: &broker_core::DeadLetters,
-    ) -> Result<u64> {
-        self.admin().discard_dead(table, which).await
-    }
-
-    async fn cancel(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        self.admin().cancel(table, id, now_ms).await
-    }
-
-    async fn run_now(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<broker_core::admin::RowChange> {
-        let change = self.admin().run_now(table, id, now_ms).await?;
-        if change == broker_core::admin::RowChange::Done {
-            self.notifier.table(&self.pool, table.name()).poke();
-        }
-        Ok(change)
-    }
-
-    async fn purge_finished(&self, table: &TableDescription, before_ms: i64) -> Result<u64> {
-        self.admin().purge_finished(table, before_ms).await
-    }
-
-    async fn record_error(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> Result<()> {
-        self.admin().record_error(table, id, error, dead).await
-    }
-
-    async fn set_pause(&self, table: &str, pause: Option<&broker_core::Pause>) -> Result<bool> {
-        self.admin().set_pause(table, pause).await
-    }
-
-    async fn pause_state(&self, table: &str) -> Result<Option<broker_core::Pause>> {
-        self.admin().pause_state(table).await
-    }
-
-    async fn has_control_table(&self) -> Result<bool> {
-        self.admin().has_control_table().await
     }
 
     async fn listen(

@@ -141,6 +141,7 @@ mod schema;
 mod sql;
 mod version;
 
+pub use admin::PgAdmin;
 pub use backend::{PgBackend, PgBroker};
 pub use broker_core::api::*;
 /// The sqlx this crate is built on, for your own queries in the same transaction as a job.

@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
 use broker_core::{
     ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -281,14 +281,15 @@ impl<'t> Frag<'t> {
     }
 }
 
-/// The admin operations of a SQLite backend.
-pub(crate) struct Admin<'a> {
+/// The operator statements of a SQLite backend ([`AdminDriver`]), borrowing its pool: what
+/// [`Backend::admin`](broker_core::Backend::admin) returns.
+pub struct SqliteAdmin<'a> {
     pub(crate) pool: &'a SqlitePool,
     /// The database file's key table and turn to write.
     pub(crate) file: &'a Arc<KeyTable>,
 }
 
-impl Admin<'_> {
+impl SqliteAdmin<'_> {
     fn frag<'t>(&self, t: &'t TableDescription) -> Frag<'t> {
         Frag::new(t, self.file)
     }
@@ -308,166 +309,6 @@ impl Admin<'_> {
             .await
             .map(|r| r.rows_affected())
             .map_err(|e| SqlxBrokerError::statement(t, name, e))
-    }
-
-    pub(crate) async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
-        let f = self.frag(t);
-        let (unf, due, held) = (f.unfinished(), f.due(now_ms), f.held(now_ms));
-        let due_ms = t.due_at().map(ident).unwrap_or_else(|| "NULL".into());
-        let free_due = all(&[&unf, &due, &not(&held)]);
-        // Advisory counts one delivery per held key that has due rows; the rest of its due rows
-        // count as due, its scheduled rows as scheduled.
-        let (due_count, scheduled, in_work) = match t.mode_columns() {
-            ModeColumns::Advisory { key } => {
-                let keys = Q::new("count(DISTINCT CASE WHEN ")
-                    .and(&all(&[&unf, &due, &held]))
-                    .push(&format!(" THEN {} END)", f.key(key)));
-                (
-                    count_if(&all(&[&unf, &due])).push(" - ").and(&keys),
-                    count_if(&all(&[&unf, &not(&due)])),
-                    keys,
-                )
-            }
-            _ => (
-                count_if(&free_due),
-                count_if(&all(&[&unf, &not(&due), &not(&held)])),
-                count_if(&all(&[&unf, &held])),
-            ),
-        };
-        let finished = match t.processed_at() {
-            Some(p) => count_if(&Q::new(format!("{} IS NOT NULL", ident(p)))),
-            None => Q::new("NULL"),
-        };
-        // The dead-letter table is counted in the same statement, so in the same snapshot: a
-        // row that moves there meanwhile is counted once.
-        let dead = match (f.dead_column(), f.dead_table()) {
-            (Some(c), _) => count_if(&Q::new(format!("{} IS NOT NULL", ident(c)))),
-            (None, Some(d)) => Q::new(format!("(SELECT count(*) FROM {d})")),
-            (None, None) => Q::new("NULL"),
-        };
-        let sql = Q::new("SELECT ")
-            .and(&due_count)
-            .push(", ")
-            .and(&scheduled)
-            .push(", ")
-            .and(&in_work)
-            .push(", ")
-            .and(&count_if(&all(&[
-                &unf,
-                &Q::new(format!("{} > 1", ident(t.attempt()))),
-            ])))
-            .push(", ")
-            .and(&finished)
-            .push(", ")
-            .and(&dead)
-            .push(", min(CASE WHEN ")
-            .and(&free_due)
-            .push(&format!(" THEN {due_ms} END) FROM {}", f.table));
-        let rows = self.fetch_all(t.name(), "stats", sql).await?;
-        let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
-            table: t.name().to_owned(),
-            statement: "stats",
-            what: "the counts came back without a row".into(),
-        })?;
-        let get = |i: usize| -> Result<Option<i64>> {
-            row.try_get::<Option<i64>, _>(i)
-                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
-        };
-        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
-        Ok(StatsCounts {
-            due: count(get(0)?),
-            scheduled: count(get(1)?),
-            in_work: count(get(2)?),
-            retrying: count(get(3)?),
-            finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
-            dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
-            oldest_due_ms: get(6)?,
-        })
-    }
-
-    pub(crate) async fn list(
-        &self,
-        t: &TableDescription,
-        state: JobState,
-        page: Page,
-        now_ms: i64,
-    ) -> Result<Vec<JobInfo>> {
-        let f = self.frag(t);
-        let (unf, due, held) = (f.unfinished(), f.due(now_ms), f.held(now_ms));
-        let (from, filter) = match state {
-            JobState::Due => (f.table.clone(), all(&[&unf, &due, &not(&held)])),
-            JobState::Scheduled => (f.table.clone(), all(&[&unf, &not(&due), &not(&held)])),
-            JobState::InWork => (f.table.clone(), all(&[&unf, &held])),
-            JobState::Retrying => (
-                f.table.clone(),
-                all(&[&unf, &Q::new(format!("{} > 1", ident(t.attempt())))]),
-            ),
-            JobState::Finished => (
-                f.table.clone(),
-                Q::new(format!(
-                    "{} IS NOT NULL",
-                    ident(t.processed_at().expect("checked by the core"))
-                )),
-            ),
-            _ => {
-                let (from, dead) = f.dead_letters();
-                (from, Q::new(dead))
-            }
-        };
-        let time = |c: Option<&str>| c.map(ident).unwrap_or_else(|| "NULL".into());
-        let finished_at = match state {
-            JobState::Finished => time(t.processed_at()),
-            JobState::Dead => time(f.dead_column()),
-            _ => time(None),
-        };
-        let cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES;
-        let payload = match t.payload() {
-            // Hex of the first bytes, enough to fill the preview and tell it was cut.
-            Some((p, ColumnType::Bytes)) => format!(
-                "'\\x' || lower(hex(substr({}, 1, {})))",
-                ident(p),
-                cap / 2 + 1
-            ),
-            Some((p, _)) => format!("substr(CAST({} AS TEXT), 1, {})", ident(p), cap + 1),
-            None => "NULL".into(),
-        };
-        let text_of = |c: Option<&str>| {
-            c.map(|c| format!("CAST({} AS TEXT)", ident(c)))
-                .unwrap_or_else(|| "NULL".into())
-        };
-        let sql = Q::new(format!(
-            "SELECT {id}, {a}, {due_ms}, {lu}, {finished_at}, {key}, {group}, {payload}, {error} \
-             FROM {from} WHERE ",
-            id = f.id,
-            a = ident(t.attempt()),
-            due_ms = time(t.due_at()),
-            lu = time(t.locked_until()),
-            key = t
-                .advisory_lock()
-                .map_or_else(|| "NULL".into(), |k| f.key(k)),
-            group = text_of(t.group()),
-            error = text_of(t.last_error()),
-        ))
-        .and(&filter)
-        .push(&format!(" AND {} > ", f.id))
-        .int(page.after.unwrap_or(i64::MIN))
-        .push(&format!(" ORDER BY {} LIMIT ", f.id))
-        .int(i64::try_from(page.limit).unwrap_or(i64::MAX));
-        let rows = self.fetch_all(t.name(), "list", sql).await?;
-        rows.iter()
-            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
-                let mut info =
-                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
-                info.due_ms = r.try_get(2)?;
-                info.locked_until_ms = r.try_get(3)?;
-                info.finished_ms = r.try_get(4)?;
-                info.key = r.try_get(5)?;
-                info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
-            })
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
     }
 
     /// With [`DeadLetters::Ids`], checks in `tx` (a write transaction: nothing changes under
@@ -543,62 +384,6 @@ impl Admin<'_> {
                 Err(e)
             }
         }
-    }
-
-    pub(crate) async fn requeue_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-        now_ms: i64,
-    ) -> Result<u64> {
-        let f = self.frag(t);
-        // Back to a fresh row's state: attempt 1, due now, no lease.
-        let mut reset = Q::new(format!("{} = 1", ident(t.attempt())));
-        if let Some(d) = t.due_at() {
-            reset = reset.push(&format!(", {} = ", ident(d))).int(now_ms);
-        }
-        if let Some(lu) = t.locked_until() {
-            reset = reset.push(&format!(", {} = NULL", ident(lu)));
-        }
-        let steps = match (f.dead_column(), f.dead_table()) {
-            (Some(c), _) => vec![
-                Q::new(format!("UPDATE {} SET {} = NULL, ", f.table, ident(c)))
-                    .and(&reset)
-                    .push(&format!(" WHERE {} IS NOT NULL AND ", ident(c)))
-                    .and(&f.which(which)),
-            ],
-            (None, Some(d)) => vec![
-                // Back with their ids; the dead-letter table has the queue table's columns in its
-                // order (the DDL helper makes it so). The reset reads the ids from the dead-letter
-                // table before the last step deletes them there; the write transaction keeps
-                // the three steps on the same rows.
-                Q::new(format!("INSERT INTO {} SELECT * FROM {d} WHERE ", f.table))
-                    .and(&f.which(which)),
-                Q::new(format!("UPDATE {} SET ", f.table))
-                    .and(&reset)
-                    .push(&format!(
-                        " WHERE {} IN (SELECT {} FROM {d} WHERE ",
-                        f.id, f.id
-                    ))
-                    .and(&f.which(which))
-                    .push(")"),
-                Q::new(format!("DELETE FROM {d} WHERE ")).and(&f.which(which)),
-            ],
-            (None, None) => unreachable!("checked by the core"),
-        };
-        self.on_dead(t, "requeue dead letters", which, steps).await
-    }
-
-    pub(crate) async fn discard_dead(
-        &self,
-        t: &TableDescription,
-        which: &DeadLetters,
-    ) -> Result<u64> {
-        let f = self.frag(t);
-        let (from, dead) = f.dead_letters();
-        let steps =
-            vec![Q::new(format!("DELETE FROM {from} WHERE {dead} AND ")).and(&f.which(which))];
-        self.on_dead(t, "discard dead letters", which, steps).await
     }
 
     /// Why row `id` was not changed: gone or finished, in work, or (`due`) due already.
@@ -683,106 +468,6 @@ impl Admin<'_> {
             _ => q,
         }
     }
-
-    pub(crate) async fn cancel(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<RowChange> {
-        let f = self.frag(t);
-        let sql =
-            Q::new(format!("DELETE FROM {} WHERE ", f.table)).and(&self.target(&f, id, now_ms));
-        self.fenced(t, "cancel", id, now_ms, sql).await
-    }
-
-    pub(crate) async fn run_now(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> Result<RowChange> {
-        let f = self.frag(t);
-        let Some(d) = t.due_at() else {
-            // Without a due time every unfinished row is due.
-            return self.why_not(t, id, now_ms).await;
-        };
-        let sql = Q::new(format!("UPDATE {} SET {} = ", f.table, ident(d)))
-            .int(now_ms)
-            .push(" WHERE ")
-            .and(&self.target(&f, id, now_ms))
-            .push(" AND NOT ")
-            .and(&f.due(now_ms));
-        self.fenced(t, "run now", id, now_ms, sql).await
-    }
-
-    pub(crate) async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
-        let p = ident(t.processed_at().expect("checked by the core"));
-        let sql = Q::new(format!(
-            "DELETE FROM {} WHERE {p} IS NOT NULL AND {p} < ",
-            ident(t.name())
-        ))
-        .int(before_ms);
-        self.execute(t.name(), "purge", sql).await
-    }
-
-    pub(crate) async fn record_error(
-        &self,
-        t: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> Result<()> {
-        let f = self.frag(t);
-        let col = ident(t.last_error().expect("only called for tables with one"));
-        let target = match (dead, f.dead_table()) {
-            (true, Some(d)) => d,
-            _ => f.table.clone(),
-        };
-        let sql = Q::new(format!("UPDATE {target} SET {col} = "))
-            .text(last_error_text(error))
-            .push(&format!(" WHERE {} = ", f.id))
-            .int(id);
-        self.execute(t.name(), "record error", sql).await.map(drop)
-    }
-
-    pub(crate) async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
-        let sql = match pause {
-            Some(p) => Q::new(format!(
-                "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) VALUES ("
-            ))
-            .text(table)
-            .push(", ")
-            .int(p.since_ms)
-            .push(", ")
-            .text(p.by.clone())
-            .push(") ON CONFLICT (queue) DO NOTHING"),
-            None => Q::new(format!("DELETE FROM {CONTROL_TABLE} WHERE queue = ")).text(table),
-        };
-        self.execute(table, "pause", sql).await.map(|n| n > 0)
-    }
-
-    pub(crate) async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
-        let row: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT paused_at_ms, paused_by FROM {CONTROL_TABLE} WHERE queue = ?1"
-        )))
-        .bind(table)
-        .fetch_optional(self.pool)
-        .await
-        .map_err(|e| SqlxBrokerError::statement(table, "pause state", e))?;
-        Ok(row.map(|(since_ms, by)| Pause { since_ms, by }))
-    }
-
-    pub(crate) async fn has_control_table(&self) -> Result<bool> {
-        let found: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
-        )
-        .bind(CONTROL_TABLE)
-        .fetch_one(self.pool)
-        .await
-        .map_err(|e| SqlxBrokerError::statement("", "control table check", e))?;
-        Ok(found > 0)
-    }
 }
 
 /// The control table's DDL (see [`CONTROL_TABLE`]).
@@ -805,6 +490,310 @@ pub(crate) fn unpause_ddl(table: &str) -> String {
 /// never created.
 pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
     sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+}
+
+impl AdminDriver for SqliteAdmin<'_> {
+    async fn stats(&self, t: &TableDescription, now_ms: i64) -> Result<StatsCounts> {
+        let f = self.frag(t);
+        let (unf, due, held) = (f.unfinished(), f.due(now_ms), f.held(now_ms));
+        let due_ms = t.due_at().map(ident).unwrap_or_else(|| "NULL".into());
+        let free_due = all(&[&unf, &due, &not(&held)]);
+        // Advisory counts one delivery per held key that has due rows; the rest of its due rows
+        // count as due, its scheduled rows as scheduled.
+        let (due_count, scheduled, in_work) = match t.mode_columns() {
+            ModeColumns::Advisory { key } => {
+                let keys = Q::new("count(DISTINCT CASE WHEN ")
+                    .and(&all(&[&unf, &due, &held]))
+                    .push(&format!(" THEN {} END)", f.key(key)));
+                (
+                    count_if(&all(&[&unf, &due])).push(" - ").and(&keys),
+                    count_if(&all(&[&unf, &not(&due)])),
+                    keys,
+                )
+            }
+            _ => (
+                count_if(&free_due),
+                count_if(&all(&[&unf, &not(&due), &not(&held)])),
+                count_if(&all(&[&unf, &held])),
+            ),
+        };
+        let finished = match t.processed_at() {
+            Some(p) => count_if(&Q::new(format!("{} IS NOT NULL", ident(p)))),
+            None => Q::new("NULL"),
+        };
+        // The dead-letter table is counted in the same statement, so in the same snapshot: a
+        // row that moves there meanwhile is counted once.
+        let dead = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => count_if(&Q::new(format!("{} IS NOT NULL", ident(c)))),
+            (None, Some(d)) => Q::new(format!("(SELECT count(*) FROM {d})")),
+            (None, None) => Q::new("NULL"),
+        };
+        let sql = Q::new("SELECT ")
+            .and(&due_count)
+            .push(", ")
+            .and(&scheduled)
+            .push(", ")
+            .and(&in_work)
+            .push(", ")
+            .and(&count_if(&all(&[
+                &unf,
+                &Q::new(format!("{} > 1", ident(t.attempt()))),
+            ])))
+            .push(", ")
+            .and(&finished)
+            .push(", ")
+            .and(&dead)
+            .push(", min(CASE WHEN ")
+            .and(&free_due)
+            .push(&format!(" THEN {due_ms} END) FROM {}", f.table));
+        let rows = self.fetch_all(t.name(), "stats", sql).await?;
+        let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
+            table: t.name().to_owned(),
+            statement: "stats",
+            what: "the counts came back without a row".into(),
+        })?;
+        let get = |i: usize| -> Result<Option<i64>> {
+            row.try_get::<Option<i64>, _>(i)
+                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+        };
+        let count = |v: Option<i64>| Count::exact(u64::try_from(v.unwrap_or(0)).unwrap_or(0));
+        Ok(StatsCounts {
+            due: count(get(0)?),
+            scheduled: count(get(1)?),
+            in_work: count(get(2)?),
+            retrying: count(get(3)?),
+            finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
+            dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
+            oldest_due_ms: get(6)?,
+        })
+    }
+
+    async fn list(
+        &self,
+        t: &TableDescription,
+        state: JobState,
+        page: Page,
+        now_ms: i64,
+    ) -> Result<Vec<JobInfo>> {
+        let f = self.frag(t);
+        let (unf, due, held) = (f.unfinished(), f.due(now_ms), f.held(now_ms));
+        let (from, filter) = match state {
+            JobState::Due => (f.table.clone(), all(&[&unf, &due, &not(&held)])),
+            JobState::Scheduled => (f.table.clone(), all(&[&unf, &not(&due), &not(&held)])),
+            JobState::InWork => (f.table.clone(), all(&[&unf, &held])),
+            JobState::Retrying => (
+                f.table.clone(),
+                all(&[&unf, &Q::new(format!("{} > 1", ident(t.attempt())))]),
+            ),
+            JobState::Finished => (
+                f.table.clone(),
+                Q::new(format!(
+                    "{} IS NOT NULL",
+                    ident(t.processed_at().expect("checked by the core"))
+                )),
+            ),
+            _ => {
+                let (from, dead) = f.dead_letters();
+                (from, Q::new(dead))
+            }
+        };
+        let time = |c: Option<&str>| c.map(ident).unwrap_or_else(|| "NULL".into());
+        let finished_at = match state {
+            JobState::Finished => time(t.processed_at()),
+            JobState::Dead => time(f.dead_column()),
+            _ => time(None),
+        };
+        let cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES;
+        let payload = match t.payload() {
+            // Hex of the first bytes, enough to fill the preview and tell it was cut.
+            Some((p, ColumnType::Bytes)) => format!(
+                "'\\x' || lower(hex(substr({}, 1, {})))",
+                ident(p),
+                cap / 2 + 1
+            ),
+            Some((p, _)) => format!("substr(CAST({} AS TEXT), 1, {})", ident(p), cap + 1),
+            None => "NULL".into(),
+        };
+        let text_of = |c: Option<&str>| {
+            c.map(|c| format!("CAST({} AS TEXT)", ident(c)))
+                .unwrap_or_else(|| "NULL".into())
+        };
+        let sql = Q::new(format!(
+            "SELECT {id}, {a}, {due_ms}, {lu}, {finished_at}, {key}, {group}, {payload}, {error} \
+             FROM {from} WHERE ",
+            id = f.id,
+            a = ident(t.attempt()),
+            due_ms = time(t.due_at()),
+            lu = time(t.locked_until()),
+            key = t
+                .advisory_lock()
+                .map_or_else(|| "NULL".into(), |k| f.key(k)),
+            group = text_of(t.group()),
+            error = text_of(t.last_error()),
+        ))
+        .and(&filter)
+        .push(&format!(" AND {} > ", f.id))
+        .int(page.after.unwrap_or(i64::MIN))
+        .push(&format!(" ORDER BY {} LIMIT ", f.id))
+        .int(i64::try_from(page.limit).unwrap_or(i64::MAX));
+        let rows = self.fetch_all(t.name(), "list", sql).await?;
+        rows.iter()
+            .map(|r| -> std::result::Result<JobInfo, sqlx::Error> {
+                let mut info =
+                    JobInfo::new(r.try_get(0)?, r.try_get(1)?, state).with_payload(r.try_get(7)?);
+                info.due_ms = r.try_get(2)?;
+                info.locked_until_ms = r.try_get(3)?;
+                info.finished_ms = r.try_get(4)?;
+                info.key = r.try_get(5)?;
+                info.group = r.try_get(6)?;
+                info.last_error = r.try_get(8)?;
+                Ok(info)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
+    }
+
+    async fn requeue_dead(
+        &self,
+        t: &TableDescription,
+        which: &DeadLetters,
+        now_ms: i64,
+    ) -> Result<u64> {
+        let f = self.frag(t);
+        // Back to a fresh row's state: attempt 1, due now, no lease.
+        let mut reset = Q::new(format!("{} = 1", ident(t.attempt())));
+        if let Some(d) = t.due_at() {
+            reset = reset.push(&format!(", {} = ", ident(d))).int(now_ms);
+        }
+        if let Some(lu) = t.locked_until() {
+            reset = reset.push(&format!(", {} = NULL", ident(lu)));
+        }
+        let steps = match (f.dead_column(), f.dead_table()) {
+            (Some(c), _) => vec![
+                Q::new(format!("UPDATE {} SET {} = NULL, ", f.table, ident(c)))
+                    .and(&reset)
+                    .push(&format!(" WHERE {} IS NOT NULL AND ", ident(c)))
+                    .and(&f.which(which)),
+            ],
+            (None, Some(d)) => vec![
+                // Back with their ids; the dead-letter table has the queue table's columns in its
+                // order (the DDL helper makes it so). The reset reads the ids from the dead-letter
+                // table before the last step deletes them there; the write transaction keeps
+                // the three steps on the same rows.
+                Q::new(format!("INSERT INTO {} SELECT * FROM {d} WHERE ", f.table))
+                    .and(&f.which(which)),
+                Q::new(format!("UPDATE {} SET ", f.table))
+                    .and(&reset)
+                    .push(&format!(
+                        " WHERE {} IN (SELECT {} FROM {d} WHERE ",
+                        f.id, f.id
+                    ))
+                    .and(&f.which(which))
+                    .push(")"),
+                Q::new(format!("DELETE FROM {d} WHERE ")).and(&f.which(which)),
+            ],
+            (None, None) => unreachable!("checked by the core"),
+        };
+        self.on_dead(t, "requeue dead letters", which, steps).await
+    }
+
+    async fn discard_dead(&self, t: &TableDescription, which: &DeadLetters) -> Result<u64> {
+        let f = self.frag(t);
+        let (from, dead) = f.dead_letters();
+        let steps =
+            vec![Q::new(format!("DELETE FROM {from} WHERE {dead} AND ")).and(&f.which(which))];
+        self.on_dead(t, "discard dead letters", which, steps).await
+    }
+
+    async fn cancel(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+        let f = self.frag(t);
+        let sql =
+            Q::new(format!("DELETE FROM {} WHERE ", f.table)).and(&self.target(&f, id, now_ms));
+        self.fenced(t, "cancel", id, now_ms, sql).await
+    }
+
+    async fn run_now(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
+        let f = self.frag(t);
+        let Some(d) = t.due_at() else {
+            // Without a due time every unfinished row is due.
+            return self.why_not(t, id, now_ms).await;
+        };
+        let sql = Q::new(format!("UPDATE {} SET {} = ", f.table, ident(d)))
+            .int(now_ms)
+            .push(" WHERE ")
+            .and(&self.target(&f, id, now_ms))
+            .push(" AND NOT ")
+            .and(&f.due(now_ms));
+        self.fenced(t, "run now", id, now_ms, sql).await
+    }
+
+    async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
+        let p = ident(t.processed_at().expect("checked by the core"));
+        let sql = Q::new(format!(
+            "DELETE FROM {} WHERE {p} IS NOT NULL AND {p} < ",
+            ident(t.name())
+        ))
+        .int(before_ms);
+        self.execute(t.name(), "purge", sql).await
+    }
+
+    async fn record_error(
+        &self,
+        t: &TableDescription,
+        id: i64,
+        error: &str,
+        dead: bool,
+    ) -> Result<()> {
+        let f = self.frag(t);
+        let col = ident(t.last_error().expect("only called for tables with one"));
+        let target = match (dead, f.dead_table()) {
+            (true, Some(d)) => d,
+            _ => f.table.clone(),
+        };
+        let sql = Q::new(format!("UPDATE {target} SET {col} = "))
+            .text(last_error_text(error))
+            .push(&format!(" WHERE {} = ", f.id))
+            .int(id);
+        self.execute(t.name(), "record error", sql).await.map(drop)
+    }
+
+    async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
+        let sql = match pause {
+            Some(p) => Q::new(format!(
+                "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) VALUES ("
+            ))
+            .text(table)
+            .push(", ")
+            .int(p.since_ms)
+            .push(", ")
+            .text(p.by.clone())
+            .push(") ON CONFLICT (queue) DO NOTHING"),
+            None => Q::new(format!("DELETE FROM {CONTROL_TABLE} WHERE queue = ")).text(table),
+        };
+        self.execute(table, "pause", sql).await.map(|n| n > 0)
+    }
+
+    async fn pause_state(&self, table: &str) -> Result<Option<Pause>> {
+        let row: Option<(i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT paused_at_ms, paused_by FROM {CONTROL_TABLE} WHERE queue = ?1"
+        )))
+        .bind(table)
+        .fetch_optional(self.pool)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "pause state", e))?;
+        Ok(row.map(|(since_ms, by)| Pause { since_ms, by }))
+    }
+
+    async fn has_control_table(&self) -> Result<bool> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+        )
+        .bind(CONTROL_TABLE)
+        .fetch_one(self.pool)
+        .await
+        .map_err(|e| SqlxBrokerError::statement("", "control table check", e))?;
+        Ok(found > 0)
+    }
 }
 
 #[cfg(test)]

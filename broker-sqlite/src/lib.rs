@@ -75,6 +75,7 @@ mod schema;
 mod sql;
 mod version;
 
+pub use admin::SqliteAdmin;
 pub use backend::{SqliteBackend, SqliteBroker};
 pub use broker_core::api::*;
 pub use sql::{ErrorClass, classify, is_transient};

@@ -7,6 +7,7 @@
 //! [`AdvisoryStrategy`]; [`NotOffered`] for a mode it lacks). The engine drives these traits
 //! and never sees SQL; [`clock`] holds the time arithmetic every backend shares.
 
+mod admin;
 pub mod clock;
 pub mod connect;
 mod group_cursor;
@@ -17,6 +18,7 @@ mod row_tx;
 mod schedules;
 mod session_lock;
 
+pub use admin::AdminDriver;
 pub use group_cursor::GroupCursor;
 pub use on_pool::{ConnFuture, on_pool};
 pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
@@ -758,95 +760,14 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
         async { Vec::new() }
     }
 
-    /// Counts `table`'s rows by state in one statement (one snapshot of the table and its
-    /// dead-letter table), reading through the claim index and taking no lock a claim would
-    /// wait for; see [`QueueStats`](crate::QueueStats) for what each state holds. Counts are
-    /// exact up to [`EXACT_ROWS`](crate::admin::EXACT_ROWS) unfinished rows; past that a
-    /// backend may estimate the states it cannot count through an index.
-    fn stats(
-        &self,
-        table: &TableDescription,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<StatsCounts>> + Send;
+    /// The backend's operator statements (counts, listings, job control, pauses), as a value
+    /// that borrows the backend: see [`AdminDriver`].
+    type Admin<'a>: AdminDriver
+    where
+        Self: 'a;
 
-    /// The rows of `table` in `state`, by id, a page at a time.
-    fn list(
-        &self,
-        table: &TableDescription,
-        state: JobState,
-        page: Page,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<Vec<JobInfo>>> + Send;
-
-    /// Puts dead letters back in the queue, due now with attempt 1 (out of the dead-letter
-    /// table, or unmarked), in one transaction; returns how many. Running it again finds
-    /// nothing left to move. The core refuses it for a table without a dead-letter target.
-    fn requeue_dead(
-        &self,
-        table: &TableDescription,
-        which: &DeadLetters,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<u64>> + Send;
-
-    /// Deletes dead letters for good; returns how many.
-    fn discard_dead(
-        &self,
-        table: &TableDescription,
-        which: &DeadLetters,
-    ) -> impl Future<Output = Result<u64>> + Send;
-
-    /// Deletes unfinished row `id` unless a delivery holds it, fenced as a settlement is: a
-    /// claim that takes the row first makes this change nothing ([`RowChange::InWork`]).
-    fn cancel(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<RowChange>> + Send;
-
-    /// Makes unfinished row `id` due now (its due time becomes `now_ms`) unless a delivery
-    /// holds it; [`RowChange::Unchanged`] when it is due already.
-    fn run_now(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        now_ms: i64,
-    ) -> impl Future<Output = Result<RowChange>> + Send;
-
-    /// Deletes acked rows whose `processed_at` is before `before_ms`; returns how many. The
-    /// core refuses it for a table whose acks delete.
-    fn purge_finished(
-        &self,
-        table: &TableDescription,
-        before_ms: i64,
-    ) -> impl Future<Output = Result<u64>> + Send;
-
-    /// Writes a handler's error into row `id`'s `last_error` column (in the dead-letter table
-    /// when `dead` and the table moves its dead letters), cut to
-    /// [`LAST_ERROR_BYTES`](crate::admin::LAST_ERROR_BYTES). Only called for tables with one.
-    fn record_error(
-        &self,
-        table: &TableDescription,
-        id: i64,
-        error: &str,
-        dead: bool,
-    ) -> impl Future<Output = Result<()>> + Send;
-
-    /// Pauses (`Some`) or resumes (`None`) the queue `table` in the control table
-    /// ([`CONTROL_TABLE`]); returns whether that changed anything (pausing a paused queue and
-    /// resuming a running one change nothing).
-    fn set_pause(
-        &self,
-        table: &str,
-        pause: Option<&Pause>,
-    ) -> impl Future<Output = Result<bool>> + Send;
-
-    /// Whether the queue `table` is paused; `Ok(None)` when it is not, and an error when the
-    /// control table is missing.
-    fn pause_state(&self, table: &str) -> impl Future<Output = Result<Option<Pause>>> + Send;
-
-    /// Whether the control table ([`CONTROL_TABLE`]) exists.
-    fn has_control_table(&self) -> impl Future<Output = Result<bool>> + Send;
+    /// The operator statements of this backend (see [`AdminDriver`]).
+    fn admin(&self) -> Self::Admin<'_>;
 
     /// Starts delivering wake-ups from other processes for `table` into `wake`, where the
     /// database can (see [`Capabilities::cross_process_wakeups`]), until the returned
@@ -865,7 +786,7 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 /// table name, when it was paused (unix ms) and by whom.
 pub const CONTROL_TABLE: &str = "sqlx_broker_control";
 
-/// Row counts by state, as a backend reads them for [`Backend::stats`]; the core adds the
+/// Row counts by state, as a backend reads them for [`AdminDriver::stats`]; the core adds the
 /// table, the clock and the pause to make a [`QueueStats`](crate::QueueStats).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsCounts {

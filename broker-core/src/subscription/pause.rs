@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::driver::Backend;
+use crate::driver::{AdminDriver, Backend};
 
 /// Whether a subscription's queue is paused, read from the control table at most once per poll
 /// interval, and at once after a pause or resume through this broker.
@@ -21,7 +21,7 @@ pub(super) struct PauseWatch {
 impl PauseWatch {
     /// Looks whether the control table exists; without it, nothing is read later.
     pub(super) async fn new<B: Backend>(shared: &crate::inner::Shared<B>) -> Self {
-        let control = match shared.broker.backend.has_control_table().await {
+        let control = match shared.broker.backend.admin().has_control_table().await {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(table = shared.name(), error = %e, "cannot tell whether the control table exists; pauses from other processes are not seen");
@@ -62,7 +62,13 @@ impl PauseWatch {
         }
         self.epoch = epoch;
         self.read_at = Some(tokio::time::Instant::now());
-        match shared.broker.backend.pause_state(shared.name()).await {
+        match shared
+            .broker
+            .backend
+            .admin()
+            .pause_state(shared.name())
+            .await
+        {
             Ok(state) => {
                 let paused = state.is_some();
                 if paused != self.paused {

@@ -15,7 +15,7 @@ use super::timing::claim_backoff;
 use super::{Health, InFlight, Waiting};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{Delivery, Outcome};
-use crate::driver::Backend;
+use crate::driver::{AdminDriver, Backend};
 use crate::metrics::{Counter, InWork};
 use crate::mode::QueueInner;
 use crate::table::TableDescription;
@@ -200,6 +200,7 @@ where
                 let recorded = inner
                     .broker
                     .backend
+                    .admin()
                     .record_error(&inner.table, id, &text, dead)
                     .await;
                 if let Err(e) = recorded {
