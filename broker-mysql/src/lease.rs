@@ -9,6 +9,13 @@
 //! read saw them, so their attempt is the one before the claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
 //!
+//! Those plain statements leave sqlx unaware of the transaction, and a Galera node can end it
+//! with no error (issue #34, see [`IN_TRANSACTION`]). So on MariaDB the claim's update writes
+//! only inside its transaction (`@@in_transaction = 1` in its `WHERE`), and nothing runs between
+//! the update and the commit: a claim whose rows were written hands them out once the commit
+//! succeeds, and one whose transaction had ended wrote nothing, rolls back (nothing) and claims
+//! again. MySQL has no such variable, and is not a Galera node here.
+//!
 //! Expiries are whole seconds, bound as seconds and written with `TIMESTAMPADD(SECOND, ..)`, so a
 //! `DATETIME` or `TIMESTAMP` column without fractions stores them exactly and the fence compares
 //! equal.
@@ -53,6 +60,18 @@ pub struct MySqlLease {
     /// Connections kept from one claim or ack to the next.
     warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
 }
+
+/// MariaDB: the claim update's first condition, that the statement runs in the claim's
+/// transaction. Outside one (autocommit) the variable reads 0 and the update changes nothing.
+///
+/// Seen on MariaDB 10.11 Galera under the three-node drain test: the claim's transaction,
+/// open after the locking take, was over after the FIFO guard's locking reads had returned
+/// without an error (a brute-force abort for a replicated write, unreported), and
+/// `@@in_transaction` read 0. An update without this condition then ran on its own and
+/// committed at once. For the same reason nothing runs between the update and the commit: a
+/// `SELECT @@in_transaction` put there (tried for this issue) once let two claims on two nodes
+/// hand out the same rows, the commit of one of them having written nothing.
+const IN_TRANSACTION: &str = "@@in_transaction = 1 AND ";
 
 /// The ack of many rows on MariaDB: `{head}{ids}) AND ({fences}) ORDER BY id LIMIT n{tail}`.
 #[derive(Debug)]
@@ -128,9 +147,18 @@ impl MySqlLease {
         // on another node may have leased the row since (its write reaches this node after the
         // read, and the read's lock does not stop it). A row that fails the check is another
         // claim's; the claim then takes nothing and reads again.
+        //
+        // MariaDB: the update also changes nothing unless the claim's transaction is still
+        // open (`@@in_transaction`, read once per statement). A Galera node that aborts the
+        // transaction for a replicated write (a brute-force abort) while the FIFO guard's
+        // locking read runs can end that read with an empty result and no error, and without
+        // the check the update then ran on its own, committed at once: the rows' attempts
+        // spent and their leases set by a claim that, seeing fewer rows than it locked, rolled
+        // back nothing and handed none out (issue #34).
+        let open = if mariadb { IN_TRANSACTION } else { "" };
         let update = Sql::new(format!("UPDATE {} SET {lu} = ", s.table))
             .time_s(P::Expires)
-            .push(&format!(", {a} = {a} + 1 WHERE ", a = s.attempt))
+            .push(&format!(", {a} = {a} + 1 WHERE {open}", a = s.attempt))
             .append(&s.claimable_row)
             .push(&format!(" AND {} IN (", s.id));
         let update_one = update
@@ -337,7 +365,9 @@ impl MySqlLease {
         if done.rows_affected() != out.len() as u64 {
             // A row the locking read took is no longer claimable as it is now: another claim
             // leased it (on a Galera cluster, a claim on another node whose write arrived after
-            // the read). Claim nothing rather than hand out a row another delivery holds.
+            // the read). Claim nothing rather than hand out a row another delivery holds. On
+            // MariaDB, also the update of a transaction the server had ended: it changed
+            // nothing (see `IN_TRANSACTION`).
             tracing::debug!(
                 table = name,
                 locked = out.len(),
@@ -476,4 +506,114 @@ impl LeaseStrategy for MySqlLease {
 /// Rolls back the claim's transaction (begun outside sqlx's bookkeeping, see `claim_on`).
 async fn rollback(conn: &mut MySqlConnection) -> Result<(), sqlx::Error> {
     sqlx::raw_sql("ROLLBACK").execute(conn).await.map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use broker_core::ColumnType;
+
+    /// Issue #34: on MariaDB the claim's update writes only inside the claim's transaction, so
+    /// a transaction the server ended before it (a Galera brute-force abort that no statement
+    /// reported) leaves the rows as they were. Against the server of `SQLX_BROKER_MYSQL_URL`;
+    /// MySQL has no `@@in_transaction`, and its update has no such condition.
+    #[tokio::test]
+    async fn on_mariadb_the_claim_update_changes_nothing_outside_its_transaction() {
+        let url = std::env::var("SQLX_BROKER_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let pool = MySqlPool::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {url} is unreachable: {e}"));
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if !version.to_ascii_lowercase().contains("mariadb") {
+            return;
+        }
+        let name = format!(
+            "sb_in_tx_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos()
+        );
+        let table = TableDescription::builder(&name)
+            .payload("payload", ColumnType::Text)
+            .locked_until("locked_until")
+            .build()
+            .unwrap();
+        let broker = broker_core::Broker::new(crate::MySqlBackend::new(pool.clone()));
+        broker.create_tables(&table).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO `{name}` (payload) VALUES ('one')"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT CAST(id AS SIGNED) FROM `{name}`"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let attempt = || {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT CAST(attempt AS SIGNED) FROM `{name}`"
+            )))
+            .fetch_one(&pool)
+        };
+        let before = attempt().await.unwrap();
+        let lease = MySqlLease::new(
+            pool.clone(),
+            Arc::new(table.clone()),
+            "locked_until",
+            None,
+            true,
+        );
+        let now_ms = broker_core::driver::clock::now_ms();
+        let ids = [id];
+        let args = Args {
+            now_ms,
+            expires_ms: now_ms + 30_000,
+            candidates: &ids,
+            ..Args::default()
+        };
+        let mut conn = pool.acquire().await.unwrap();
+        // On its own (autocommit), as after a transaction the server ended unreported.
+        let alone = lease
+            .update(1)
+            .bind(&args)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            alone.rows_affected(),
+            0,
+            "the update wrote outside a transaction"
+        );
+        assert_eq!(
+            attempt().await.unwrap(),
+            before,
+            "the row's attempt was spent"
+        );
+        // In the claim's transaction it writes the row.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(lease.begin.clone()))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let inside = lease
+            .update(1)
+            .bind(&args)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(inside.rows_affected(), 1, "the update in the transaction");
+        rollback(&mut conn).await.unwrap();
+        assert_eq!(attempt().await.unwrap(), before);
+        drop(conn);
+        broker.drop_tables(&table).await.unwrap();
+        broker.close().await;
+    }
 }
