@@ -207,7 +207,7 @@ impl MySqlAdvisory {
         // settlement from a delivery whose key went away under it (its connection was killed, or
         // a dropped future's statement landed late) after the row was taken again.
         let fence = Sql::new(format!(" AND {} = ", s.attempt)).param(P::HeldAttempt);
-        let settle = s.settle(&table, &fence, false);
+        let settle = s.settle(&table, &fence, false, "");
         Self {
             pool,
             table,

@@ -10,7 +10,7 @@
 //! still be what this claim wrote.
 //!
 //! Those plain statements leave sqlx unaware of the transaction, and a Galera node can end it
-//! with no error (issue #34, see [`IN_TRANSACTION`]). So on MariaDB the claim's update writes
+//! with no error (issue #34, see `sql::IN_TRANSACTION`). So on MariaDB the claim's update writes
 //! only inside its transaction (`@@in_transaction = 1` in its `WHERE`), and nothing runs between
 //! the update and the commit: a claim whose rows were written hands them out once the commit
 //! succeeds, and one whose transaction had ended wrote nothing, rolls back (nothing) and claims
@@ -32,8 +32,8 @@ use sqlx::{MySql, MySqlConnection, MySqlPool, Row};
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying, settle_retrying,
-    whole_seconds,
+    Args, IN_TRANSACTION, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
+    settle_retrying, whole_seconds,
 };
 use crate::window::{Candidates, PAGES, Window};
 
@@ -60,18 +60,6 @@ pub struct MySqlLease {
     /// Connections kept from one claim or ack to the next.
     warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
 }
-
-/// MariaDB: the claim update's first condition, that the statement runs in the claim's
-/// transaction. Outside one (autocommit) the variable reads 0 and the update changes nothing.
-///
-/// Seen on MariaDB 10.11 Galera under the three-node drain test: the claim's transaction,
-/// open after the locking take, was over after the FIFO guard's locking reads had returned
-/// without an error (a brute-force abort for a replicated write, unreported), and
-/// `@@in_transaction` read 0. An update without this condition then ran on its own and
-/// committed at once. For the same reason nothing runs between the update and the commit: a
-/// `SELECT @@in_transaction` put there (tried for this issue) once let two claims on two nodes
-/// hand out the same rows, the commit of one of them having written nothing.
-const IN_TRANSACTION: &str = "@@in_transaction = 1 AND ";
 
 /// The ack of many rows on MariaDB: `{head}{ids}) AND ({fences}) ORDER BY id LIMIT n{tail}`.
 #[derive(Debug)]
@@ -184,7 +172,8 @@ impl MySqlLease {
             .push(&format!(") AND {} = ", s.attempt))
             .param(P::TokenAttempt)
             .stmt("renew");
-        let settle = s.settle(&table, &fence, false);
+        // The dead-letter move, a transaction of its own, takes the same care (see `IN_TRANSACTION`).
+        let settle = s.settle(&table, &fence, false, open);
         let ack_many = (mariadb && table.processed_at().is_none()).then(|| AckMany::new(&s, &lu));
         Self {
             pool,
@@ -612,6 +601,123 @@ mod tests {
         assert_eq!(inside.rows_affected(), 1, "the update in the transaction");
         rollback(&mut conn).await.unwrap();
         assert_eq!(attempt().await.unwrap(), before);
+        drop(conn);
+        broker.drop_tables(&table).await.unwrap();
+        broker.close().await;
+    }
+
+    /// Issue #34: on MariaDB the lease dead-letter move (lock, copy, delete, in a transaction
+    /// of its own) copies and deletes only inside that transaction: run on a connection whose
+    /// transaction is over (autocommit, as after a Galera abort that no statement reported),
+    /// it moves nothing and says the row no longer held its fence. In a transaction it moves
+    /// the row.
+    #[tokio::test]
+    async fn on_mariadb_a_dead_letter_move_changes_nothing_outside_its_transaction() {
+        use broker_core::DeadLetter;
+        use broker_core::driver::{Action, Fence, LeaseToken, Settle};
+
+        let url = std::env::var("SQLX_BROKER_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let pool = MySqlPool::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {url} is unreachable: {e}"));
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if !version.to_ascii_lowercase().contains("mariadb") {
+            return;
+        }
+        let name = format!(
+            "sb_dead_tx_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos()
+        );
+        let dead = format!("{name}_dead");
+        let table = TableDescription::builder(&name)
+            .payload("payload", ColumnType::Text)
+            .locked_until("locked_until")
+            .max_attempts(3)
+            .dead_letter(DeadLetter::Table(dead.clone()))
+            .build()
+            .unwrap();
+        let broker = broker_core::Broker::new(crate::MySqlBackend::new(pool.clone()));
+        broker.create_tables(&table).await.unwrap();
+        // A row leased until a whole second an hour ahead, at attempt 2: the token a claim
+        // would have written.
+        let expires_s = broker_core::driver::clock::now_ms() / 1000 + 3600;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO `{name}` (payload, attempt, locked_until) VALUES ('one', 2, \
+             TIMESTAMPADD(SECOND, {expires_s}, {}))",
+            crate::sql::EPOCH0
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT CAST(id AS SIGNED) FROM `{name}`"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let count = |t: String| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                    "SELECT COUNT(*) FROM `{t}`"
+                )))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        let lease = MySqlLease::new(
+            pool.clone(),
+            Arc::new(table.clone()),
+            "locked_until",
+            None,
+            true,
+        );
+        let settle = Settle {
+            id,
+            action: Action::DeadLetter,
+            now_ms: broker_core::driver::clock::now_ms(),
+            attempt: 2,
+        };
+        let fence = Fence::Lease(LeaseToken {
+            expires_ms: expires_s * 1000,
+            attempt: 2,
+        });
+        let mut conn = pool.acquire().await.unwrap();
+        // `in_tx`: the move runs its statements on the connection as if it were inside its
+        // transaction, which is over: autocommit.
+        let moved = lease
+            .settle
+            .run(&mut conn, &name, settle, fence, true)
+            .await
+            .unwrap();
+        assert!(
+            !moved,
+            "the move ran outside a transaction and said it moved the row"
+        );
+        assert_eq!(
+            (count(name.clone()).await, count(dead.clone()).await),
+            (1, 0),
+            "the copy or the delete ran on its own"
+        );
+        let moved = lease
+            .settle
+            .run(&mut conn, &name, settle, fence, false)
+            .await
+            .unwrap();
+        assert!(moved, "the move in a transaction of its own");
+        assert_eq!(
+            (count(name.clone()).await, count(dead.clone()).await),
+            (0, 1)
+        );
         drop(conn);
         broker.drop_tables(&table).await.unwrap();
         broker.close().await;

@@ -67,7 +67,7 @@ impl MySqlRowLock {
         group_index: Option<&str>,
     ) -> Self {
         let s = Statements::new(&table);
-        let settle = s.settle(&table, &Sql::default(), true);
+        let settle = s.settle(&table, &Sql::default(), true, "");
         Self {
             pool,
             begin: begin_sql(&table),

@@ -383,11 +383,14 @@ impl Statements {
     /// The statements of a settlement. `fence`: extra conditions that must still hold (lease:
     /// the token), starting with ` AND`. `count`: the settlement counts the attempt (row lock
     /// mode counts it when it puts the row back, so a crash, which rolls back, uses none).
+    /// `open`: a condition the dead-letter move's copy and delete begin their `WHERE` with
+    /// ([`IN_TRANSACTION`] for lease mode on MariaDB, else empty).
     pub(crate) fn settle(
         &self,
         t: &TableDescription,
         fence: &Sql,
         count: bool,
+        open: &str,
     ) -> SettleStatements {
         let table = &self.table;
         let by_id = Sql::new(format!(" WHERE {} = ", self.id))
@@ -458,13 +461,13 @@ impl Statements {
                         .stmt("dead letter count")
                 }),
                 copy: Sql::new(format!(
-                    "INSERT INTO {} SELECT * FROM {table} WHERE {} = ",
+                    "INSERT INTO {} SELECT * FROM {table} WHERE {open}{} = ",
                     ident(d),
                     self.id
                 ))
                 .param(P::Id)
                 .stmt("dead letter copy"),
-                delete: Sql::new(format!("DELETE FROM {table} WHERE {} = ", self.id))
+                delete: Sql::new(format!("DELETE FROM {table} WHERE {open}{} = ", self.id))
                     .param(P::Id)
                     .stmt("dead letter delete"),
             },
@@ -488,6 +491,20 @@ pub(crate) fn begin_sql(t: &TableDescription) -> Arc<str> {
     )
     .into()
 }
+
+/// MariaDB: a condition that a statement runs inside a transaction (`@@in_transaction` reads 0
+/// in autocommit), which the lease claim's update and the dead-letter move's copy and delete
+/// begin their `WHERE` with. With it they change nothing once their transaction is over, and the
+/// claim or the move sees that (fewer rows changed than it held) and gives up.
+///
+/// Seen on MariaDB 10.11 Galera under the three-node drain test (issue #34): a claim's
+/// transaction, open after the locking take, was over after the FIFO guard's locking reads had
+/// returned without an error (a brute-force abort for a replicated write, unreported), and
+/// `@@in_transaction` read 0. The claim's update then ran on its own and committed at once. For
+/// the same reason nothing runs between the claim's update and its commit: a `SELECT
+/// @@in_transaction` put there (tried for this issue) once let two claims on two nodes hand out
+/// the same rows, the commit of one of them having written nothing.
+pub(crate) const IN_TRANSACTION: &str = "@@in_transaction = 1 AND ";
 
 /// Settlement statements of one mode.
 #[derive(Debug, Clone)]
@@ -734,7 +751,7 @@ mod tests {
             .time_s(P::TokenExpires)
             .push(" AND `jobs`.`attempt` = ")
             .param(P::TokenAttempt);
-        let settle = s.settle(&t, &fence, false);
+        let settle = s.settle(&t, &fence, false, "");
         let retry = settle.retry.as_ref().unwrap();
         assert_eq!(
             &*retry.params,
@@ -746,7 +763,7 @@ mod tests {
             retry.sql()
         );
         assert!(!retry.sql().contains("+ 1"), "lease retries do not count");
-        let counted = s.settle(&t, &Sql::default(), true);
+        let counted = s.settle(&t, &Sql::default(), true, "");
         assert!(
             counted
                 .retry
@@ -764,9 +781,9 @@ mod tests {
             .build()
             .unwrap();
         let s = Statements::new(&t);
-        assert!(s.settle(&t, &Sql::default(), false).retry.is_none());
+        assert!(s.settle(&t, &Sql::default(), false, "").retry.is_none());
         let fence = Sql::new(" AND `jobs`.`attempt` = ").param(P::HeldAttempt);
-        let retry = s.settle(&t, &fence, false).retry.unwrap();
+        let retry = s.settle(&t, &fence, false, "").retry.unwrap();
         assert_eq!(
             retry.sql(),
             "UPDATE `jobs` SET `jobs`.`id` = `jobs`.`id` WHERE `jobs`.`id` = ? AND `jobs`.`attempt` = ?"
