@@ -334,4 +334,55 @@ mod tests {
         assert_eq!(ident("my `odd` table"), "`my ``odd`` table`");
         assert_eq!(ident("order"), "`order`");
     }
+
+    /// A write that finds another writer holding the file past its busy timeout fails with
+    /// SQLite's busy code, which the retry policy must see as transient (a claim or settlement
+    /// then runs again instead of failing); a statement that names no table is permanent. Real
+    /// errors from a real file.
+    #[tokio::test]
+    async fn another_writer_past_the_busy_timeout_is_transient_and_bad_sql_is_not() {
+        use sqlx::ConnectOptions;
+        use sqlx::sqlite::SqliteConnectOptions;
+
+        let path = std::env::temp_dir().join(format!(
+            "sqlx-broker-classify-{}-{}.db",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos()
+        ));
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .busy_timeout(std::time::Duration::ZERO);
+        let mut holder = options.connect().await.unwrap();
+        let mut other = options.connect().await.unwrap();
+        sqlx::raw_sql("CREATE TABLE t (x INTEGER)")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let busy = sqlx::raw_sql("INSERT INTO t VALUES (1)")
+            .execute(&mut other)
+            .await
+            .expect_err("the file is held by another writer");
+        assert_eq!(classify(&busy), ErrorClass::Transient, "{busy}");
+        let bad = sqlx::raw_sql("SELECT * FROM no_such_table")
+            .execute(&mut other)
+            .await
+            .expect_err("no such table");
+        assert_eq!(classify(&bad), ErrorClass::Permanent, "{bad}");
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        drop((holder, other));
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    }
 }
