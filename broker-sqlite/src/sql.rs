@@ -376,6 +376,21 @@ mod tests {
             .await
             .expect_err("no such table");
         assert_eq!(classify(&bad), ErrorClass::Permanent, "{bad}");
+        // The public check, on the errors a caller gets from the broker.
+        assert!(is_transient(&SqlxBrokerError::statement(
+            "t", "insert", busy
+        )));
+        assert!(!is_transient(&SqlxBrokerError::statement(
+            "t", "select", bad
+        )));
+        // A pool that cannot hand out a connection: a connection error, run again.
+        let pool = SqlitePool::connect_with(options.clone()).await.unwrap();
+        pool.close().await;
+        let closed = pool.acquire().await.expect_err("the pool is closed");
+        assert_eq!(classify(&closed), ErrorClass::Connection, "{closed}");
+        assert!(is_transient(&SqlxBrokerError::statement(
+            "t", "claim", closed
+        )));
         sqlx::raw_sql("ROLLBACK")
             .execute(&mut holder)
             .await
