@@ -502,12 +502,10 @@ mod tests {
     use super::*;
     use broker_core::ColumnType;
 
-    /// Issue #34: on MariaDB the claim's update writes only inside the claim's transaction, so
-    /// a transaction the server ended before it (a Galera brute-force abort that no statement
-    /// reported) leaves the rows as they were. Against the server of `SQLX_BROKER_MYSQL_URL`;
-    /// MySQL has no `@@in_transaction`, and its update has no such condition.
-    #[tokio::test]
-    async fn on_mariadb_the_claim_update_changes_nothing_outside_its_transaction() {
+    /// A pool on the server of `SQLX_BROKER_MYSQL_URL` and a table name of its own starting
+    /// with `prefix`; `None` when the server is MySQL, which has no `@@in_transaction` (these
+    /// statements carry the condition on MariaDB only). An unreachable server fails the case.
+    async fn mariadb_and_a_table_name(prefix: &str) -> Option<(MySqlPool, String)> {
         let url = std::env::var("SQLX_BROKER_MYSQL_URL")
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
         let pool = MySqlPool::connect(&url)
@@ -518,16 +516,24 @@ mod tests {
             .await
             .unwrap();
         if !version.to_ascii_lowercase().contains("mariadb") {
-            return;
+            return None;
         }
-        let name = format!(
-            "sb_in_tx_{}_{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .subsec_nanos()
-        );
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        Some((pool, format!("{prefix}_{}_{nanos}", std::process::id())))
+    }
+
+    /// Issue #34: on MariaDB the claim's update writes only inside the claim's transaction, so
+    /// a transaction the server ended before it (a Galera brute-force abort that no statement
+    /// reported) leaves the rows as they were. Against the server of `SQLX_BROKER_MYSQL_URL`;
+    /// MySQL has no `@@in_transaction`, and its update has no such condition.
+    #[tokio::test]
+    async fn on_mariadb_the_claim_update_changes_nothing_outside_its_transaction() {
+        let Some((pool, name)) = mariadb_and_a_table_name("sb_in_tx").await else {
+            return;
+        };
         let table = TableDescription::builder(&name)
             .payload("payload", ColumnType::Text)
             .locked_until("locked_until")
@@ -616,26 +622,9 @@ mod tests {
         use broker_core::DeadLetter;
         use broker_core::driver::{Action, Fence, LeaseToken, Settle};
 
-        let url = std::env::var("SQLX_BROKER_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-        let pool = MySqlPool::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("MariaDB/MySQL at {url} is unreachable: {e}"));
-        let version: String = sqlx::query_scalar("SELECT VERSION()")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        if !version.to_ascii_lowercase().contains("mariadb") {
+        let Some((pool, name)) = mariadb_and_a_table_name("sb_dead_tx").await else {
             return;
-        }
-        let name = format!(
-            "sb_dead_tx_{}_{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .subsec_nanos()
-        );
+        };
         let dead = format!("{name}_dead");
         let table = TableDescription::builder(&name)
             .payload("payload", ColumnType::Text)

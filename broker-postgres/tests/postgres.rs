@@ -786,6 +786,27 @@ mod case {
         fx.cleanup().await;
     }
 
+    /// Waits until a session waits for the advisory key `key` (`pg_locks`), naming `what`.
+    async fn waiting_on(fx: &Fx, key: i64, what: &str) {
+        let pool = fx.broker.pool().clone();
+        wait_until(what, Duration::from_secs(20), || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                     AND NOT granted AND classid = 0 AND objid::int8 = $1::int8 \
+                     AND objsubid = 1",
+                )
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .expect("probe pg_locks")
+                    > 0
+            }
+        })
+        .await;
+    }
+
     /// The advisory key the stall of [`late_row_in_the_claims_window`] waits on.
     const STALL: i64 = 35_035;
 
@@ -885,25 +906,10 @@ mod case {
             let got = stalled.claim(1).await;
             (stalled, got)
         });
-        let pool = fx.broker.pool().clone();
-        wait_until(
+        waiting_on(
+            &fx,
+            STALL,
             "the claim waiting at the stall, its snapshot taken",
-            Duration::from_secs(20),
-            || {
-                let pool = pool.clone();
-                async move {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
-                         AND NOT granted AND classid = 0 AND objid::int8 = $1::int8 \
-                         AND objsubid = 1",
-                    )
-                    .bind(STALL)
-                    .fetch_one(&pool)
-                    .await
-                    .expect("probe pg_locks")
-                        > 0
-                }
-            },
         )
         .await;
         open.commit().await.expect("commit the late row");
@@ -1140,25 +1146,10 @@ mod case {
                 publishing.publish(first_job).await
             }
         });
-        let pool = fx.broker.pool().clone();
-        wait_until(
+        waiting_on(
+            &fx,
+            PUBLISH_STALL,
             "the publish of job-0 waiting at the stall, its id taken",
-            Duration::from_secs(20),
-            || {
-                let pool = pool.clone();
-                async move {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
-                         AND NOT granted AND classid = 0 AND objid::int8 = $1::int8 \
-                         AND objsubid = 1",
-                    )
-                    .bind(PUBLISH_STALL)
-                    .fetch_one(&pool)
-                    .await
-                    .expect("probe pg_locks")
-                        > 0
-                }
-            },
         )
         .await;
         let later = if unique {
