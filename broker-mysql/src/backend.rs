@@ -158,7 +158,6 @@ impl MySqlBackend {
         }
     }
 
-    /// The admin operations on this backend's pool.
     async fn id_strategy(&self, conn: &mut MySqlConnection, table: &str) -> Result<IdStrategy> {
         self.ids
             .get_or_try_init(|| async {

@@ -172,7 +172,8 @@ impl MySqlLease {
             .push(&format!(") AND {} = ", s.attempt))
             .param(P::TokenAttempt)
             .stmt("renew");
-        // The dead-letter move, a transaction of its own, takes the same care (see `IN_TRANSACTION`).
+        // The dead-letter move, a transaction of its own, takes the same care (see
+        // `IN_TRANSACTION`).
         let settle = s.settle(&table, &fence, false, open);
         let ack_many = (mariadb && table.processed_at().is_none()).then(|| AckMany::new(&s, &lu));
         Self {

@@ -107,7 +107,6 @@ impl PgBackend {
         held
     }
 
-    /// The admin operations on this backend's pool.
     /// Whether statements go prepared under a name: not behind a transaction-mode pooler.
     fn prepared(&self) -> bool {
         !self.pooled.get().copied().unwrap_or(false)
@@ -236,14 +235,14 @@ fn slots(table: &TableDescription, plan: &PublishPlan) -> Vec<Slot> {
 /// publishes to, shared, from before its rows take their ids until its transaction ends (the
 /// caller's, or one of the publish's own: an insert on its own would take its ids before any
 /// guard, so outside the caller's transaction a publish to such groups runs in a transaction
-/// too). Its rows take their ids now but are seen only once it commits; meanwhile a claim could take a later row of
-/// the group, and these rows would then become the group's head while that row is still in
-/// work (two rows of one group in work, out of id order). Claims try each group's guard
-/// exclusively and skip a group whose guard they cannot take, so they leave the group alone
-/// until the rows are seen. A claim holds the guard only for its own statement in these modes,
-/// so the publish waits at most that long. Row lock is left out: its deliveries hold the guard
-/// for as long as they run, which is what keeps its groups one row at a time already, and a
-/// publish must not wait for a handler.
+/// too). Its rows take their ids now but are seen only once it commits; meanwhile a claim could
+/// take a later row of the group, and these rows would then become the group's head while that
+/// row is still in work (two rows of one group in work, out of id order). Claims try each
+/// group's guard exclusively and skip a group whose guard they cannot take, so they leave the
+/// group alone until the rows are seen. A claim holds the guard only for its own statement in
+/// these modes, so the publish waits at most that long. Row lock is left out: its deliveries hold
+/// the guard for as long as they run, which is what keeps its groups one row at a time already,
+/// and a publish must not wait for a handler.
 async fn hold_group_guards(
     conn: &mut PgConnection,
     table: &TableDescription,

@@ -137,7 +137,6 @@ impl SqliteBackend {
         Ok(Broker::owning_pool(Self::new(pool)))
     }
 
-    /// The admin operations on this backend's pool.
     /// How many advisory keys this process holds in the backend's database file now.
     pub fn held_keys(&self) -> usize {
         self.keys.len()

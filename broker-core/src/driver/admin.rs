@@ -11,8 +11,7 @@ use crate::table::TableDescription;
 
 /// What a backend runs for the operator API: counts by state, listings, dead-letter requeue
 /// and discard, cancel, run-now, purge, the last error of a row and the pause flags of the
-/// control table ([`CONTROL_TABLE`](super::CONTROL_TABLE)). None of it takes a lock a claim would wait for longer
-/// than one row's settlement.
+/// control table ([`CONTROL_TABLE`](super::CONTROL_TABLE)).
 pub trait AdminDriver: Send + Sync {
     /// Counts `table`'s rows by state in one statement (one snapshot of the table and its
     /// dead-letter table), reading through the claim index and taking no lock a claim would
@@ -89,8 +88,8 @@ pub trait AdminDriver: Send + Sync {
     ) -> impl Future<Output = Result<()>> + Send;
 
     /// Pauses (`Some`) or resumes (`None`) the queue `table` in the control table
-    /// ([`CONTROL_TABLE`](super::CONTROL_TABLE)); returns whether that changed anything (pausing a paused queue and
-    /// resuming a running one change nothing).
+    /// ([`CONTROL_TABLE`](super::CONTROL_TABLE)); returns whether that changed anything
+    /// (pausing a paused queue and resuming a running one change nothing).
     fn set_pause(
         &self,
         table: &str,
