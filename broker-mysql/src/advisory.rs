@@ -31,7 +31,7 @@ use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
     Args, ErrorClass, P, SettleStatements, Sql, Statements, Stmt, begin_sql, classify, ident,
-    settle_retrying,
+    run_settle, settle_named, settle_retrying,
 };
 
 /// The longest lock name, in characters, that both servers take as it is.
@@ -243,7 +243,7 @@ impl MySqlAdvisory {
                 read, guard, count, ..
             } => out.extend([read, guard, count]),
         }
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out.into_iter().map(Stmt::named).collect()
     }
 
@@ -612,16 +612,15 @@ impl AdvisoryStrategy for MySqlAdvisory {
     }
 
     async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
-        let out = self
-            .settle
-            .run(
-                lock.conn(),
-                self.table.name(),
-                settle,
-                Fence::Attempt(settle.attempt),
-                false,
-            )
-            .await;
+        let out = run_settle(
+            &self.settle,
+            lock.conn(),
+            self.table.name(),
+            settle,
+            Fence::Attempt(settle.attempt),
+            false,
+        )
+        .await;
         lock.finished();
         // The key's session was lost under the delivery (its key is free now): the settlement
         // is fenced on the attempt the take wrote, so it runs again on pool connections for a
@@ -635,16 +634,15 @@ impl AdvisoryStrategy for MySqlAdvisory {
                     broker_core::driver::clock::after_ms(std::time::Duration::from_secs(10));
                 settle_retrying(deadline, || async {
                     let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
-                    let out = self
-                        .settle
-                        .run(
-                            &mut conn,
-                            self.table.name(),
-                            settle,
-                            Fence::Attempt(settle.attempt),
-                            false,
-                        )
-                        .await;
+                    let out = run_settle(
+                        &self.settle,
+                        &mut conn,
+                        self.table.name(),
+                        settle,
+                        Fence::Attempt(settle.attempt),
+                        false,
+                    )
+                    .await;
                     conn.finish();
                     out
                 })

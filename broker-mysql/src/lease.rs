@@ -33,7 +33,7 @@ use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
     Args, IN_TRANSACTION, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
-    settle_retrying, whole_seconds,
+    run_settle, settle_named, settle_retrying, whole_seconds,
 };
 use crate::window::{Candidates, PAGES, Window};
 
@@ -198,7 +198,7 @@ impl MySqlLease {
         out.extend(self.ack_many.as_ref().map(|a| &a.two));
         out.extend(self.window.statements());
         out.extend(&self.guard);
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out.into_iter().map(Stmt::named).collect()
     }
 
@@ -402,16 +402,15 @@ impl MySqlLease {
 
     async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<bool> {
         let mut conn = self.conn().await?;
-        let out = self
-            .settle
-            .run(
-                &mut conn,
-                self.table.name(),
-                settle,
-                Fence::Lease(token),
-                false,
-            )
-            .await;
+        let out = run_settle(
+            &self.settle,
+            &mut conn,
+            self.table.name(),
+            settle,
+            Fence::Lease(token),
+            false,
+        )
+        .await;
         self.done(conn, &out);
         out
     }
@@ -684,9 +683,7 @@ mod tests {
         let mut conn = pool.acquire().await.unwrap();
         // `in_tx`: the move runs its statements on the connection as if it were inside its
         // transaction, which is over: autocommit.
-        let moved = lease
-            .settle
-            .run(&mut conn, &name, settle, fence, true)
+        let moved = run_settle(&lease.settle, &mut conn, &name, settle, fence, true)
             .await
             .unwrap();
         assert!(
@@ -698,9 +695,7 @@ mod tests {
             (1, 0),
             "the copy or the delete ran on its own"
         );
-        let moved = lease
-            .settle
-            .run(&mut conn, &name, settle, fence, false)
+        let moved = run_settle(&lease.settle, &mut conn, &name, settle, fence, false)
             .await
             .unwrap();
         assert!(moved, "the move in a transaction of its own");

@@ -27,7 +27,7 @@ use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
     RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
-    begin_sql, execute_plain, retrying,
+    begin_sql, execute_plain, retrying, run_settle, settle_named,
 };
 use crate::window::{Candidates, PAGES, Window};
 
@@ -85,7 +85,7 @@ impl MySqlRowLock {
     pub(crate) fn statements(&self) -> Vec<(&'static str, &str)> {
         let mut out = self.window.statements().to_vec();
         out.extend(&self.guard);
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out.into_iter().map(Stmt::named).collect()
     }
 
@@ -242,9 +242,7 @@ impl RowLockStrategy for MySqlRowLock {
             }
             execute_plain(&mut tx, name, "release savepoint", RELEASE_WRITES).await?;
         }
-        self.settle
-            .run(&mut tx, name, settle, Fence::None, true)
-            .await?;
+        run_settle(&self.settle, &mut tx, name, settle, Fence::None, true).await?;
         if keep_connection && self.chain && self.warm.would_keep() {
             return self.commit_and_read(tx).await;
         }

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{Action, Fence, LeaseToken, Settle, alias};
+use broker_core::driver::{
+    DeadMove, DeadStatements, Fence, LeaseToken, MoveStep, Run, Settle, alias,
+};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::mysql::{MySqlArguments, MySqlDatabaseError, MySqlRow};
 use sqlx::query::Query;
@@ -447,12 +449,14 @@ impl Statements {
                 sets.extend(clear_lease);
                 DeadStatements::Mark(update(sets, "dead letter").expect("a mark sets the column"))
             }
-            Some(DeadLetter::Table(d)) => DeadStatements::Move {
+            Some(DeadLetter::Table(d)) => DeadStatements::Move(DeadMove {
                 // The locking read checks the fence and holds the row while it is copied.
-                lock: Sql::new(format!("SELECT {} FROM {table}", self.id))
-                    .append(&by_id)
-                    .push(" FOR UPDATE")
-                    .stmt("dead letter lock"),
+                lock: Some(
+                    Sql::new(format!("SELECT {} FROM {table}", self.id))
+                        .append(&by_id)
+                        .push(" FOR UPDATE")
+                        .stmt("dead letter lock"),
+                ),
                 count: count.then(|| {
                     Sql::new(format!("UPDATE {table} SET "))
                         .append(&counted)
@@ -460,17 +464,19 @@ impl Statements {
                         .param(P::Id)
                         .stmt("dead letter count")
                 }),
-                copy: Sql::new(format!(
-                    "INSERT INTO {} SELECT * FROM {table} WHERE {open}{} = ",
-                    ident(d),
-                    self.id
-                ))
-                .param(P::Id)
-                .stmt("dead letter copy"),
+                copy: Some(
+                    Sql::new(format!(
+                        "INSERT INTO {} SELECT * FROM {table} WHERE {open}{} = ",
+                        ident(d),
+                        self.id
+                    ))
+                    .param(P::Id)
+                    .stmt("dead letter copy"),
+                ),
                 delete: Sql::new(format!("DELETE FROM {table} WHERE {open}{} = ", self.id))
                     .param(P::Id)
                     .stmt("dead letter delete"),
-            },
+            }),
             None => DeadStatements::None,
         };
         SettleStatements { ack, retry, dead }
@@ -506,134 +512,83 @@ pub(crate) fn begin_sql(t: &TableDescription) -> Arc<str> {
 /// the same rows, the commit of one of them having written nothing.
 pub(crate) const IN_TRANSACTION: &str = "@@in_transaction = 1 AND ";
 
-/// Settlement statements of one mode.
-#[derive(Debug, Clone)]
-pub(crate) struct SettleStatements {
-    ack: Stmt,
-    /// `None`: a retry changes nothing in the row and has no fence to check.
-    retry: Option<Stmt>,
-    dead: DeadStatements,
+/// Settlement statements of one mode; a retry without one changes nothing in the row and has
+/// no fence to check.
+pub(crate) type SettleStatements = broker_core::driver::SettleStatements<Stmt>;
+
+/// The settlement statements, for the startup check.
+pub(crate) fn settle_named(statements: &SettleStatements) -> Vec<&Stmt> {
+    statements
+        .named()
+        .into_iter()
+        .map(|(_, stmt)| stmt)
+        .collect()
 }
 
-/// How a row is dead-lettered.
-#[derive(Debug, Clone)]
-pub(crate) enum DeadStatements {
-    /// No target: dead letters are refused before they reach the backend.
-    None,
-    /// Set the dead-letter column.
-    Mark(Stmt),
-    /// Lock (and fence), count if the mode counts here, copy to the dead-letter table, delete.
-    Move {
-        lock: Stmt,
-        count: Option<Stmt>,
-        copy: Stmt,
-        delete: Stmt,
-    },
-}
-
-impl SettleStatements {
-    /// Runs a settlement on `conn`. `fence`: what the row must still hold; the statements name
-    /// the lease token and the attempt the take wrote where they check them. `in_tx`: the connection is inside the delivery's transaction already (row lock), so
-    /// a dead-letter move runs in it instead of in one of its own. Returns whether the row
-    /// still held the fence (always true without one); when it did not, nothing changed.
-    pub(crate) async fn run(
-        &self,
-        conn: &mut MySqlConnection,
-        table: &str,
-        settle: Settle,
-        fence: Fence,
-        in_tx: bool,
-    ) -> Result<bool> {
-        let written_ms = match settle.action {
-            Action::Ack | Action::DeadLetter => Some(settle.now_ms),
-            Action::Retry { due_ms } => due_ms,
-        };
-        let args = Args {
-            id: settle.id,
-            now_ms: settle.now_ms,
-            written_ms,
-            token: fence.token(),
-            held_attempt: settle.attempt,
-            ..Args::default()
-        };
-        let exec = async |stmt: &Stmt, conn: &mut MySqlConnection| {
-            stmt.bind(&args)
-                .execute(conn)
-                .await
-                .map(|done| done.rows_affected() == 1)
-                .map_err(|e| SqlxBrokerError::statement(table, stmt.name, e))
-        };
-        match (settle.action, &self.dead) {
-            (Action::Ack, _) => exec(&self.ack, conn).await,
-            (Action::Retry { .. }, _) => match &self.retry {
-                Some(stmt) => exec(stmt, conn).await,
-                None => Ok(true),
-            },
-            (Action::DeadLetter, DeadStatements::Mark(stmt)) => exec(stmt, conn).await,
-            (
-                Action::DeadLetter,
-                DeadStatements::Move {
-                    lock,
-                    count,
-                    copy,
-                    delete,
-                },
-            ) => {
-                let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
-                let run_move = async |conn: &mut MySqlConnection| -> Result<bool> {
-                    let held: Option<MySqlRow> = lock
-                        .bind(&args)
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(err(lock.name))?;
-                    if held.is_none() {
-                        return Ok(false);
-                    }
-                    if let Some(count) = count {
-                        exec(count, conn).await?;
-                    }
-                    exec(copy, conn).await?;
-                    exec(delete, conn).await
-                };
-                if in_tx {
-                    run_move(conn).await
-                } else {
-                    let mut tx = conn.begin().await.map_err(err("dead letter begin"))?;
-                    let moved = run_move(&mut tx).await?;
-                    if moved {
-                        tx.commit().await.map_err(err("dead letter commit"))?;
-                    } else {
-                        tx.rollback().await.map_err(err("dead letter rollback"))?;
-                    }
-                    Ok(moved)
+/// Runs a settlement on `conn`. `fence`: what the row must still hold; the statements name
+/// the lease token and the attempt the take wrote where they check them. `in_tx`: the
+/// connection is inside the delivery's transaction already (row lock), so a dead-letter move
+/// runs in it instead of in one of its own. Returns whether the row still held the fence
+/// (always true without one); when it did not, nothing changed.
+pub(crate) async fn run_settle(
+    statements: &SettleStatements,
+    conn: &mut MySqlConnection,
+    table: &str,
+    settle: Settle,
+    fence: Fence,
+    in_tx: bool,
+) -> Result<bool> {
+    let args = Args {
+        id: settle.id,
+        now_ms: settle.now_ms,
+        written_ms: settle.written_ms(),
+        token: fence.token(),
+        held_attempt: settle.attempt,
+        ..Args::default()
+    };
+    let exec = async |stmt: &Stmt, conn: &mut MySqlConnection| {
+        stmt.bind(&args)
+            .execute(conn)
+            .await
+            .map(|done| done.rows_affected() == 1)
+            .map_err(|e| SqlxBrokerError::statement(table, stmt.name, e))
+    };
+    let moved = match statements.for_action(settle.action) {
+        Run::One(_, stmt) => return exec(stmt, conn).await,
+        Run::Nothing => return Ok(true),
+        Run::Move(moved) => moved,
+    };
+    let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
+    // Lock (and fence), count if the mode counts here, copy to the dead-letter table, delete.
+    let run_move = async |conn: &mut MySqlConnection| -> Result<bool> {
+        let mut changed = false;
+        for (step, stmt) in moved.steps() {
+            if step == MoveStep::Lock {
+                let held: Option<MySqlRow> = stmt
+                    .bind(&args)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(err(stmt.name))?;
+                if held.is_none() {
+                    return Ok(false);
                 }
-            }
-            (Action::DeadLetter, DeadStatements::None) => {
-                unreachable!("dead letters without a target are refused before settlement")
+            } else {
+                changed = exec(stmt, conn).await?;
             }
         }
-    }
-
-    /// The statements with their names, for the startup check.
-    pub(crate) fn named(&self) -> Vec<&Stmt> {
-        let mut out = vec![&self.ack];
-        out.extend(&self.retry);
-        match &self.dead {
-            DeadStatements::Mark(s) => out.push(s),
-            DeadStatements::Move {
-                lock,
-                count,
-                copy,
-                delete,
-            } => {
-                out.push(lock);
-                out.extend(count);
-                out.push(copy);
-                out.push(delete);
-            }
-            DeadStatements::None => {}
+        Ok(changed)
+    };
+    if in_tx {
+        run_move(conn).await
+    } else {
+        let mut tx = conn.begin().await.map_err(err("dead letter begin"))?;
+        let moved = run_move(&mut tx).await?;
+        if moved {
+            tx.commit().await.map_err(err("dead letter commit"))?;
+        } else {
+            tx.rollback().await.map_err(err("dead letter rollback"))?;
         }
-        out
+        Ok(moved)
     }
 }
 

@@ -27,7 +27,7 @@ use sqlx::{PgPool, Postgres, Row};
 use crate::fifo;
 use crate::sql::{
     ErrorClass, Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query,
-    retrying, settle_retrying,
+    retrying, run_settle, settle_named, settle_retrying,
 };
 
 /// How long an advisory settlement whose key session went away runs again on pool connections.
@@ -213,7 +213,7 @@ impl PgAdvisory {
         if let Some(recheck) = &self.recheck {
             out.push(("fifo recheck", &**recheck));
         }
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out
     }
 
@@ -508,10 +508,14 @@ impl AdvisoryStrategy for PgAdvisory {
         let conn = lock.conn();
         let mut tries = 0;
         let first = loop {
-            match self
-                .settle
-                .run(conn, settle, Fence::Attempt(settle.attempt))
-                .await
+            match run_settle(
+                &self.settle,
+                conn,
+                true,
+                settle,
+                Fence::Attempt(settle.attempt),
+            )
+            .await
             {
                 Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
                 other => break other,
@@ -526,9 +530,14 @@ impl AdvisoryStrategy for PgAdvisory {
                 let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
                 settle_retrying(deadline, || async {
                     let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
-                    self.settle
-                        .run(&mut conn, settle, Fence::Attempt(settle.attempt))
-                        .await
+                    run_settle(
+                        &self.settle,
+                        &mut conn,
+                        true,
+                        settle,
+                        Fence::Attempt(settle.attempt),
+                    )
+                    .await
                 })
                 .await
             }

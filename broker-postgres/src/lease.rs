@@ -16,7 +16,7 @@ use sqlx::{Connection, PgPool, Postgres, Row};
 use crate::fifo;
 use crate::sql::{
     Failed, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query, retrying,
-    settle_retrying, ts,
+    run_settle, settle_named, settle_retrying, ts,
 };
 
 /// How many times a FIFO claim runs when its second read finds a row that is no longer its
@@ -153,17 +153,13 @@ impl PgLease {
             .await
             .map_err(Failed::new("acquire"))?;
         let changed = if self.prepared {
-            self.settle
-                .run(&mut conn, settle, Fence::Lease(token))
-                .await
+            run_settle(&self.settle, &mut conn, true, settle, Fence::Lease(token)).await
         } else {
             // Unnamed statements run inside a transaction (see `sql::on_pool`).
             async {
                 let mut tx = conn.begin().await.map_err(Failed::new("begin"))?;
-                let changed = self
-                    .settle
-                    .run(&mut tx, settle, Fence::Lease(token))
-                    .await?;
+                let changed =
+                    run_settle(&self.settle, &mut tx, false, settle, Fence::Lease(token)).await?;
                 tx.commit().await.map_err(Failed::new("commit"))?;
                 Ok(changed)
             }
@@ -179,7 +175,6 @@ impl PgLease {
     /// Sends every statement unnamed, for a transaction-mode pooler.
     pub(crate) fn unprepared(mut self) -> Self {
         self.prepared = false;
-        self.settle.prepared = false;
         self
     }
 
@@ -195,7 +190,7 @@ impl PgLease {
         if let Some(recheck) = &self.recheck {
             out.push(("fifo recheck", &**recheck));
         }
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out
     }
 }

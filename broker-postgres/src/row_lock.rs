@@ -21,7 +21,9 @@ use broker_core::{IsolationLevel, Result, TableDescription};
 use sqlx::{Executor, PgPool, Postgres, Row, SqlStr};
 
 use crate::fifo;
-use crate::sql::{Failed, Resume, SettleStatements, Statements, query, retrying};
+use crate::sql::{
+    Failed, Resume, SettleStatements, Statements, query, retrying, run_settle, settle_named,
+};
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
@@ -126,7 +128,6 @@ impl PgRowLock {
     /// Sends every statement unnamed, for a transaction-mode pooler.
     pub(crate) fn unprepared(mut self) -> Self {
         self.prepared = false;
-        self.settle.prepared = false;
         self
     }
 
@@ -135,7 +136,7 @@ impl PgRowLock {
         if let Some(from) = &self.claim_from {
             out.push(("claim from a position", &*from.sql));
         }
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out
     }
 
@@ -260,8 +261,7 @@ impl RowLockStrategy for PgRowLock {
                 .await
                 .map_err(|e| Failed::new("release savepoint")(e).on(name))?;
         }
-        self.settle
-            .run(&mut tx, settle, Fence::None)
+        run_settle(&self.settle, &mut tx, self.prepared, settle, Fence::None)
             .await
             .map_err(|e| e.on(name))?;
         if keep_connection && self.chain && self.warm.would_keep() {

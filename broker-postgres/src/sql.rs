@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use broker_core::driver::{Action, Fence, Position, Settle, alias};
+use broker_core::driver::{self, DeadMove, DeadStatements, Fence, Position, Run, Settle, alias};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -404,7 +404,8 @@ impl Statements {
                 "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8{fence}",
                 sets(count_attempt, Some(format!("{} = {time}", ident(c))))
             )),
-            Some(DeadLetter::Table(d)) => DeadStatements::Move {
+            Some(DeadLetter::Table(d)) => DeadStatements::Move(DeadMove {
+                lock: None,
                 // Row lock counts the attempt first: one statement cannot both update the row and
                 // move it.
                 count: count_attempt.then(|| {
@@ -415,7 +416,8 @@ impl Statements {
                 // One statement moves the row, so the copy and the delete land together. The
                 // dead-letter table has the same columns (the DDL helper makes it so); they are
                 // named, so a column added to the queue table later does not break the move.
-                moved: if self.columns.is_empty() {
+                copy: None,
+                delete: if self.columns.is_empty() {
                     format!(
                         "WITH sqlx_broker_moved AS (DELETE FROM {table} AS q WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL{fence} RETURNING q.*) \
                          INSERT INTO {} SELECT * FROM sqlx_broker_moved",
@@ -431,15 +433,15 @@ impl Statements {
                         self.row("m"),
                     )
                 },
-            },
+            }),
             None => DeadStatements::None,
         };
-        SettleStatements {
-            prepared: true,
-            ack: ack.into(),
-            retry: retry.into(),
-            dead: dead.into_arcs(),
+        driver::SettleStatements {
+            ack,
+            retry: Some(retry),
+            dead,
         }
+        .map(Arc::from)
     }
 }
 
@@ -472,109 +474,55 @@ impl Resume {
     }
 }
 
-/// Settlement statements of one mode.
-#[derive(Debug, Clone)]
-pub(crate) struct SettleStatements {
-    /// Whether the statements are prepared under a name (see [`query`]).
-    pub(crate) prepared: bool,
-    pub(crate) ack: Arc<str>,
-    /// `$2` is the due time (NULL: due at once).
-    pub(crate) retry: Arc<str>,
-    pub(crate) dead: DeadStatements<Arc<str>>,
+/// Settlement statements of one mode (`$2` of the retry is the due time, NULL: due at once).
+pub(crate) type SettleStatements = broker_core::driver::SettleStatements<Arc<str>>;
+
+/// The settlement statements with their names, for the startup check.
+pub(crate) fn settle_named(statements: &SettleStatements) -> Vec<(&'static str, &str)> {
+    statements
+        .named()
+        .into_iter()
+        .map(|(name, sql)| (name, &**sql))
+        .collect()
 }
 
-/// How a row is dead-lettered.
-#[derive(Debug, Clone)]
-pub(crate) enum DeadStatements<S = String> {
-    /// No target: dead letters are refused before they reach the backend.
-    None,
-    /// Set the dead-letter column.
-    Mark(S),
-    /// Move the row to the dead-letter table (after counting the attempt, in row lock mode).
-    Move { count: Option<S>, moved: S },
-}
-
-impl DeadStatements<String> {
-    fn into_arcs(self) -> DeadStatements<Arc<str>> {
-        match self {
-            Self::None => DeadStatements::None,
-            Self::Mark(s) => DeadStatements::Mark(s.into()),
-            Self::Move { count, moved } => DeadStatements::Move {
-                count: count.map(Into::into),
-                moved: moved.into(),
-            },
-        }
-    }
-}
-
-impl SettleStatements {
-    /// Runs a settlement on `conn`; the statements must match the `fence` (built to match it).
-    /// Returns the rows changed (0: the fence no longer holds, and nothing changed). The
-    /// statements of a move run one after the other, so call this inside a transaction when
-    /// there are two (row lock), or rely on the single statement (lease, advisory).
-    pub(crate) async fn run(
-        &self,
-        conn: &mut PgConnection,
-        settle: Settle,
-        fence: Fence,
-    ) -> Result<u64, Failed> {
-        // Parameters: $1 id, $2 the time the statement writes, then the fence's from $3.
-        let bind = |sql: &Arc<str>, value: Option<i64>| {
-            let q = query(sql, self.prepared).bind(settle.id).bind(value);
-            match fence {
-                Fence::None => q,
-                Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
-                Fence::Attempt(attempt) => q.bind(attempt),
-            }
+/// Runs a settlement on `conn`; the statements must match the `fence` (built to match it), and
+/// are prepared under a name or not as `prepared` says (see [`query`]). Returns the rows
+/// changed (0: the fence no longer holds, and nothing changed). The statements of a move run
+/// one after the other, so call this inside a transaction when there are two (row lock), or
+/// rely on the single statement (lease, advisory).
+pub(crate) async fn run_settle(
+    statements: &SettleStatements,
+    conn: &mut PgConnection,
+    prepared: bool,
+    settle: Settle,
+    fence: Fence,
+) -> Result<u64, Failed> {
+    // Parameters: $1 id, $2 the time the statement writes, then the fence's from $3.
+    let run = async |name: &'static str, sql: &Arc<str>, conn: &mut PgConnection| {
+        let q = query(sql, prepared)
+            .bind(settle.id)
+            .bind(settle.written_ms());
+        let q = match fence {
+            Fence::None => q,
+            Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
+            Fence::Attempt(attempt) => q.bind(attempt),
         };
-        let done = match settle.action {
-            Action::Ack => bind(&self.ack, Some(settle.now_ms))
-                .execute(&mut *conn)
-                .await
-                .map_err(Failed::new("ack"))?,
-            Action::Retry { due_ms } => bind(&self.retry, due_ms)
-                .execute(&mut *conn)
-                .await
-                .map_err(Failed::new("retry"))?,
-            Action::DeadLetter => match &self.dead {
-                DeadStatements::Mark(sql) => bind(sql, Some(settle.now_ms))
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(Failed::new("dead letter"))?,
-                DeadStatements::Move { count, moved } => {
-                    if let Some(count) = count {
-                        bind(count, Some(settle.now_ms))
-                            .execute(&mut *conn)
-                            .await
-                            .map_err(Failed::new("dead letter count"))?;
-                    }
-                    bind(moved, Some(settle.now_ms))
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(Failed::new("dead letter move"))?
-                }
-                DeadStatements::None => {
-                    unreachable!("dead letters without a target are refused before settlement")
-                }
-            },
-        };
-        Ok(done.rows_affected())
-    }
-
-    /// The statements with their names, for the startup check.
-    pub(crate) fn named(&self) -> Vec<(&'static str, &str)> {
-        let mut out = vec![("ack", &*self.ack), ("retry", &*self.retry)];
-        match &self.dead {
-            DeadStatements::Mark(s) => out.push(("dead letter", s)),
-            DeadStatements::Move { count, moved } => {
-                if let Some(count) = count {
-                    out.push(("dead letter count", count));
-                }
-                out.push(("dead letter move", moved));
+        q.execute(conn)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(Failed::new(name))
+    };
+    match statements.for_action(settle.action) {
+        Run::One(name, sql) => run(name, sql, conn).await,
+        Run::Nothing => unreachable!("PostgreSQL always builds a retry statement"),
+        Run::Move(moved) => {
+            let mut changed = 0;
+            for (step, sql) in moved.steps() {
+                changed = run(step.name(), sql, conn).await?;
             }
-            DeadStatements::None => {}
+            Ok(changed)
         }
-        out
     }
 }
 
@@ -596,10 +544,7 @@ mod tests {
             .unwrap();
         let s = Statements::new(&t, &[]).settle(&t, true, "");
         assert!(!s.ack.contains("+ 1"), "{}", s.ack);
-        assert!(
-            s.retry.contains("\"attempt\" = q.\"attempt\" + 1"),
-            "{}",
-            s.retry
-        );
+        let retry = s.retry.as_deref().unwrap();
+        assert!(retry.contains("\"attempt\" = q.\"attempt\" + 1"), "{retry}");
     }
 }

@@ -11,7 +11,9 @@ use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::backend::{Warm, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
-use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
+use crate::sql::{
+    SettleStatements, Statements, ident, retrying, run_settle, settle_named, settle_retrying,
+};
 
 /// How long an advisory settlement runs again after lost connections (the value the other
 /// backends use): the key stays held in this process meanwhile.
@@ -100,7 +102,7 @@ impl SqliteAdvisory {
                 ("key walk after", after.as_str()),
             ]);
         }
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out
     }
 
@@ -304,7 +306,8 @@ impl AdvisoryStrategy for SqliteAdvisory {
         // waited for (as on the other backends).
         let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
         let changed = settle_retrying(deadline, || {
-            self.settle.run(
+            run_settle(
+                &self.settle,
                 &self.warm,
                 &self.pool,
                 &self.keys,

@@ -12,7 +12,9 @@ use sqlx::{Row, Sqlite, SqlitePool};
 
 use crate::backend::{Warm, warm_conn};
 use crate::keys::KeyTable;
-use crate::sql::{SettleStatements, Statements, ident, retrying, settle_retrying};
+use crate::sql::{
+    SettleStatements, Statements, ident, retrying, run_settle, settle_named, settle_retrying,
+};
 
 /// The lease strategy of one SQLite table.
 #[derive(Debug)]
@@ -136,22 +138,22 @@ impl SqliteLease {
             ("renew", self.renew.as_str()),
             ("ack many", self.ack_two.as_str()),
         ];
-        out.extend(self.settle.named());
+        out.extend(settle_named(&self.settle));
         out
     }
 
     /// One try of a settlement, fenced on the lease token; returns the rows it changed.
     async fn settle_once(&self, token: LeaseToken, settle: Settle) -> Result<u64> {
-        self.settle
-            .run(
-                &self.warm,
-                &self.pool,
-                &self.file,
-                self.table.name(),
-                settle,
-                Fence::Lease(token),
-            )
-            .await
+        run_settle(
+            &self.settle,
+            &self.warm,
+            &self.pool,
+            &self.file,
+            self.table.name(),
+            settle,
+            Fence::Lease(token),
+        )
+        .await
     }
 
     fn err(&self, name: &'static str) -> impl FnOnce(sqlx::Error) -> SqlxBrokerError + '_ {

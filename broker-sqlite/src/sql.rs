@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use broker_core::driver::{Action, Fence, Settle, alias};
+use broker_core::driver::{DeadMove, DeadStatements, Fence, Run, Settle, alias};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
@@ -192,137 +192,103 @@ impl Statements {
                 "UPDATE {table} SET {} = ?2{clear_lease} WHERE {id} = ?1{fence}",
                 ident(c)
             )),
-            Some(DeadLetter::Table(d)) => DeadStatements::Move {
-                copy: format!(
+            Some(DeadLetter::Table(d)) => DeadStatements::Move(DeadMove {
+                lock: None,
+                count: None,
+                copy: Some(format!(
                     "INSERT INTO {} SELECT * FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}",
                     ident(d)
-                ),
+                )),
                 delete: format!("DELETE FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}"),
-            },
+            }),
             None => DeadStatements::None,
         };
-        SettleStatements { ack, retry, dead }
-    }
-}
-
-/// Settlement statements of one mode.
-#[derive(Debug, Clone)]
-pub(crate) struct SettleStatements {
-    pub(crate) ack: String,
-    /// `?2` is the due time (NULL: due at once).
-    pub(crate) retry: String,
-    pub(crate) dead: DeadStatements,
-}
-
-/// How a row is dead-lettered.
-#[derive(Debug, Clone)]
-pub(crate) enum DeadStatements {
-    /// No target: dead letters are refused before they reach the backend.
-    None,
-    /// Set the dead-letter column.
-    Mark(String),
-    /// Copy to the dead-letter table, then delete, in one write transaction.
-    Move { copy: String, delete: String },
-}
-
-impl SettleStatements {
-    /// Runs a settlement on a kept connection (see [`Warm`]); with a lease `fence` the
-    /// statements must match its token. Returns the rows changed (0: the fence no longer holds,
-    /// and nothing changed).
-    pub(crate) async fn run(
-        &self,
-        warm: &Warm,
-        pool: &SqlitePool,
-        file: &KeyTable,
-        table: &str,
-        settle: Settle,
-        fence: Fence,
-    ) -> Result<u64> {
-        let _turn = file.write_turn().await;
-        let mut conn = warm_conn(warm, pool, table).await?;
-        let done = self.run_on(&mut conn, table, settle, fence).await;
-        warm.keep_if(conn, done.is_ok());
-        done
-    }
-
-    async fn run_on(
-        &self,
-        conn: &mut SqliteConnection,
-        table: &str,
-        settle: Settle,
-        fence: Fence,
-    ) -> Result<u64> {
-        let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
-        // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
-        let bind = |sql: &str, value: Option<i64>| {
-            let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
-                .bind(settle.id)
-                .bind(value);
-            match fence {
-                Fence::None => q,
-                Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
-                Fence::Attempt(attempt) => q.bind(attempt),
-            }
-        };
-        let done = match settle.action {
-            Action::Ack => bind(&self.ack, Some(settle.now_ms))
-                .execute(&mut *conn)
-                .await
-                .map_err(err("ack"))?,
-            Action::Retry { due_ms } => bind(&self.retry, due_ms)
-                .execute(&mut *conn)
-                .await
-                .map_err(err("retry"))?,
-            Action::DeadLetter => match &self.dead {
-                DeadStatements::Mark(sql) => bind(sql, Some(settle.now_ms))
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(err("dead letter"))?,
-                DeadStatements::Move { copy, delete } => {
-                    // BEGIN IMMEDIATE takes the write lock up front, so the copy never meets
-                    // another writer half way ("database is locked").
-                    let mut tx = conn
-                        .begin_with("BEGIN IMMEDIATE")
-                        .await
-                        .map_err(err("dead letter"))?;
-                    bind(copy, Some(settle.now_ms))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(err("dead letter copy"))?;
-                    let done = bind(delete, Some(settle.now_ms))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(err("dead letter delete"))?;
-                    if done.rows_affected() != 1 {
-                        // The fence no longer holds: the copy must not stay either. Rolled back
-                        // here, not on drop, since the connection is kept for the next statement.
-                        tx.rollback().await.map_err(err("dead letter rollback"))?;
-                        return Ok(0);
-                    }
-                    tx.commit().await.map_err(err("dead letter commit"))?;
-                    done
-                }
-                DeadStatements::None => {
-                    unreachable!("dead letters without a target are refused before settlement")
-                }
-            },
-        };
-        Ok(done.rows_affected())
-    }
-
-    /// The statements with their names, for the startup check.
-    pub(crate) fn named(&self) -> Vec<(&'static str, &str)> {
-        let mut out = vec![("ack", self.ack.as_str()), ("retry", self.retry.as_str())];
-        match &self.dead {
-            DeadStatements::Mark(s) => out.push(("dead letter", s.as_str())),
-            DeadStatements::Move { copy, delete } => {
-                out.push(("dead letter copy", copy.as_str()));
-                out.push(("dead letter delete", delete.as_str()));
-            }
-            DeadStatements::None => {}
+        SettleStatements {
+            ack,
+            retry: Some(retry),
+            dead,
         }
-        out
     }
+}
+
+/// Settlement statements of one mode (`?2` of the retry is the due time, NULL: due at once).
+pub(crate) type SettleStatements = broker_core::driver::SettleStatements<String>;
+
+/// The settlement statements with their names, for the startup check.
+pub(crate) fn settle_named(statements: &SettleStatements) -> Vec<(&'static str, &str)> {
+    statements
+        .named()
+        .into_iter()
+        .map(|(name, sql)| (name, sql.as_str()))
+        .collect()
+}
+
+/// Runs a settlement on a kept connection (see [`Warm`]); with a lease `fence` the statements
+/// must match its token. Returns the rows changed (0: the fence no longer holds, and nothing
+/// changed).
+pub(crate) async fn run_settle(
+    statements: &SettleStatements,
+    warm: &Warm,
+    pool: &SqlitePool,
+    file: &KeyTable,
+    table: &str,
+    settle: Settle,
+    fence: Fence,
+) -> Result<u64> {
+    let _turn = file.write_turn().await;
+    let mut conn = warm_conn(warm, pool, table).await?;
+    let done = run_settle_on(statements, &mut conn, table, settle, fence).await;
+    warm.keep_if(conn, done.is_ok());
+    done
+}
+
+async fn run_settle_on(
+    statements: &SettleStatements,
+    conn: &mut SqliteConnection,
+    table: &str,
+    settle: Settle,
+    fence: Fence,
+) -> Result<u64> {
+    let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
+    // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
+    let run = async |name: &'static str, sql: &str, conn: &mut SqliteConnection| {
+        let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+            .bind(settle.id)
+            .bind(settle.written_ms());
+        let q = match fence {
+            Fence::None => q,
+            Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
+            Fence::Attempt(attempt) => q.bind(attempt),
+        };
+        q.execute(conn)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(err(name))
+    };
+    let moved = match statements.for_action(settle.action) {
+        Run::One(name, sql) => return run(name, sql, conn).await,
+        Run::Nothing => unreachable!("SQLite always builds a retry statement"),
+        Run::Move(moved) => moved,
+    };
+    // Copy to the dead-letter table, then delete, in one write transaction. BEGIN IMMEDIATE
+    // takes the write lock up front, so the copy never meets another writer half way
+    // ("database is locked").
+    let mut tx = conn
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .map_err(err("dead letter"))?;
+    let mut done = 0;
+    for (step, sql) in moved.steps() {
+        done = run(step.name(), sql, &mut tx).await?;
+    }
+    if done != 1 {
+        // The fence no longer holds: the copy must not stay either. Rolled back here, not on
+        // drop, since the connection is kept for the next statement.
+        tx.rollback().await.map_err(err("dead letter rollback"))?;
+        return Ok(0);
+    }
+    tx.commit().await.map_err(err("dead letter commit"))?;
+    Ok(done)
 }
 
 #[cfg(test)]

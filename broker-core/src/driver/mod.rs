@@ -17,6 +17,7 @@ pub mod retry;
 mod row_tx;
 mod schedules;
 mod session_lock;
+mod settle;
 
 pub use admin::AdminDriver;
 pub use group_cursor::GroupCursor;
@@ -24,6 +25,7 @@ pub use on_pool::{ConnFuture, on_pool};
 pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
 pub use schedules::{ScheduleStatements, TickParam};
 pub use session_lock::{LockStatement, SessionKeyLock, TryLocked};
+pub use settle::{DeadMove, DeadStatements, MoveStep, Run, SettleStatements};
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,0 +1,319 @@
+//! Settlement statements as every backend holds them: the backend writes a
+//! [`SettleStatements`] in its database's SQL, and what is common to all of them (which
+//! statements a settlement runs for its [`Action`], in what order, under which names) is
+//! written once here. A backend keeps
+//! binding and executing one statement, and its own transaction handling.
+
+use super::{Action, Settle};
+
+/// The statements of one mode's settlements, built once at subscribe time. `S` is the
+/// backend's statement (its SQL text, or the text with what it binds).
+///
+/// Every statement takes the row's id and the time it writes ([`Settle::written_ms`]), then
+/// the values of the settlement's [`Fence`](super::Fence); it changes one row while the fence
+/// holds and none once it does not.
+#[derive(Debug, Clone)]
+pub struct SettleStatements<S> {
+    /// Deletes the row, or sets `processed_at`.
+    pub ack: S,
+    /// Puts the row back, due at the time it writes (NULL: at once). `None` where a retry has
+    /// nothing to write and no fence to check: the retry then holds without a statement.
+    pub retry: Option<S>,
+    /// Dead-letters the row.
+    pub dead: DeadStatements<S>,
+}
+
+/// How a backend dead-letters a row.
+#[derive(Debug, Clone)]
+pub enum DeadStatements<S> {
+    /// No target: dead letters are refused before they reach the backend.
+    None,
+    /// Sets the dead-letter column.
+    Mark(S),
+    /// Moves the row to the dead-letter table.
+    Move(DeadMove<S>),
+}
+
+/// The statements that move a row to the dead-letter table, run in the order of the fields
+/// ([`steps`](Self::steps)); a backend fills the steps its database needs, and runs them in a
+/// transaction where there is more than one that writes.
+#[derive(Debug, Clone)]
+pub struct DeadMove<S> {
+    /// A locking read that checks the fence and holds the row while it is copied: no row, and
+    /// the move stops without changing anything ([`MoveStep::Lock`]).
+    pub lock: Option<S>,
+    /// Counts the attempt first, where the mode counts it at settlement (row lock): the
+    /// statements that move the row cannot also update it ([`MoveStep::Count`]).
+    pub count: Option<S>,
+    /// Copies the row into the dead-letter table ([`MoveStep::Copy`]).
+    pub copy: Option<S>,
+    /// Deletes the row from the queue table; the rows it changes are the move's. Without a
+    /// `copy` it moves the row in one statement, its deleted row written into the dead-letter
+    /// table ([`MoveStep::Move`]); else it only deletes ([`MoveStep::Delete`]).
+    pub delete: S,
+}
+
+/// A step of a [`DeadMove`], which names its statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveStep {
+    /// [`DeadMove::lock`].
+    Lock,
+    /// [`DeadMove::count`].
+    Count,
+    /// [`DeadMove::copy`].
+    Copy,
+    /// [`DeadMove::delete`] after a copy.
+    Delete,
+    /// [`DeadMove::delete`] without a copy: the whole move in one statement.
+    Move,
+}
+
+impl MoveStep {
+    /// The statement's name, as errors and the startup check show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Lock => "dead letter lock",
+            Self::Count => "dead letter count",
+            Self::Copy => "dead letter copy",
+            Self::Delete => "dead letter delete",
+            Self::Move => "dead letter move",
+        }
+    }
+}
+
+impl<S> DeadMove<S> {
+    /// The move's statements in the order they run.
+    pub fn steps(&self) -> impl Iterator<Item = (MoveStep, &S)> {
+        let last = match self.copy {
+            Some(_) => MoveStep::Delete,
+            None => MoveStep::Move,
+        };
+        [
+            self.lock.as_ref().map(|s| (MoveStep::Lock, s)),
+            self.count.as_ref().map(|s| (MoveStep::Count, s)),
+            self.copy.as_ref().map(|s| (MoveStep::Copy, s)),
+            Some((last, &self.delete)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
+/// What a settlement runs, from [`SettleStatements::for_action`].
+#[derive(Debug, Clone, Copy)]
+pub enum Run<'a, S> {
+    /// One statement, with its name; the rows it changes are the settlement's.
+    One(&'static str, &'a S),
+    /// No statement: the settlement holds as it is (a retry with nothing to write).
+    Nothing,
+    /// The steps of a move to the dead-letter table ([`DeadMove::steps`]).
+    Move(&'a DeadMove<S>),
+}
+
+impl<S> SettleStatements<S> {
+    /// What a settlement with `action` runs.
+    ///
+    /// # Panics
+    /// On a dead letter without a target ([`DeadStatements::None`]): the engine refuses those
+    /// before they reach the backend.
+    pub fn for_action(&self, action: Action) -> Run<'_, S> {
+        match action {
+            Action::Ack => Run::One("ack", &self.ack),
+            Action::Retry { .. } => match &self.retry {
+                Some(retry) => Run::One("retry", retry),
+                None => Run::Nothing,
+            },
+            Action::DeadLetter => match &self.dead {
+                DeadStatements::Mark(mark) => Run::One("dead letter", mark),
+                DeadStatements::Move(moved) => Run::Move(moved),
+                DeadStatements::None => {
+                    unreachable!("dead letters without a target are refused before settlement")
+                }
+            },
+        }
+    }
+
+    /// Every statement with its name, for the startup check: the ack, the retry, then the
+    /// dead letter's in the order they run.
+    pub fn named(&self) -> Vec<(&'static str, &S)> {
+        let mut out = vec![("ack", &self.ack)];
+        out.extend(self.retry.as_ref().map(|s| ("retry", s)));
+        match &self.dead {
+            DeadStatements::None => {}
+            DeadStatements::Mark(s) => out.push(("dead letter", s)),
+            DeadStatements::Move(moved) => out.extend(moved.steps().map(|(k, s)| (k.name(), s))),
+        }
+        out
+    }
+
+    /// The same statements, each turned into another form by `f` (text into a shared text,
+    /// say).
+    pub fn map<T>(self, mut f: impl FnMut(S) -> T) -> SettleStatements<T> {
+        let dead = match self.dead {
+            DeadStatements::None => DeadStatements::None,
+            DeadStatements::Mark(s) => DeadStatements::Mark(f(s)),
+            DeadStatements::Move(m) => DeadStatements::Move(DeadMove {
+                lock: m.lock.map(&mut f),
+                count: m.count.map(&mut f),
+                copy: m.copy.map(&mut f),
+                delete: f(m.delete),
+            }),
+        };
+        SettleStatements {
+            ack: f(self.ack),
+            retry: self.retry.map(&mut f),
+            dead,
+        }
+    }
+}
+
+impl Settle {
+    /// The time the settlement's statements write: now for an ack or a dead letter, the due
+    /// time (or NULL: due at once) for a retry.
+    pub fn written_ms(&self) -> Option<i64> {
+        match self.action {
+            Action::Ack | Action::DeadLetter => Some(self.now_ms),
+            Action::Retry { due_ms } => due_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn statements(
+        retry: bool,
+        dead: DeadStatements<&'static str>,
+    ) -> SettleStatements<&'static str> {
+        SettleStatements {
+            ack: "A",
+            retry: retry.then_some("R"),
+            dead,
+        }
+    }
+
+    fn settle(action: Action) -> Settle {
+        Settle {
+            id: 1,
+            action,
+            now_ms: 1_000,
+            attempt: 2,
+        }
+    }
+
+    /// The names and statements a settlement runs, one statement or the steps of a move.
+    fn runs(
+        s: &SettleStatements<&'static str>,
+        action: Action,
+    ) -> Vec<(&'static str, &'static str)> {
+        match s.for_action(action) {
+            Run::One(name, stmt) => vec![(name, *stmt)],
+            Run::Nothing => vec![],
+            Run::Move(m) => m.steps().map(|(k, s)| (k.name(), *s)).collect(),
+        }
+    }
+
+    const RETRY: Action = Action::Retry { due_ms: None };
+
+    #[test]
+    fn each_action_runs_its_own_statement() {
+        let s = statements(true, DeadStatements::Mark("D"));
+        assert_eq!(runs(&s, Action::Ack), [("ack", "A")]);
+        assert_eq!(runs(&s, RETRY), [("retry", "R")]);
+        assert_eq!(runs(&s, Action::DeadLetter), [("dead letter", "D")]);
+    }
+
+    #[test]
+    fn a_retry_without_a_statement_runs_nothing() {
+        let s = statements(false, DeadStatements::None);
+        assert!(matches!(s.for_action(RETRY), Run::Nothing));
+        assert_eq!(s.named(), [("ack", &"A")]);
+    }
+
+    #[test]
+    fn a_move_runs_its_steps_in_order_and_names_a_lone_delete_a_move() {
+        let one = statements(
+            true,
+            DeadStatements::Move(DeadMove {
+                lock: None,
+                count: Some("C"),
+                copy: None,
+                delete: "M",
+            }),
+        );
+        assert_eq!(
+            runs(&one, Action::DeadLetter),
+            [("dead letter count", "C"), ("dead letter move", "M")]
+        );
+        let four = statements(
+            false,
+            DeadStatements::Move(DeadMove {
+                lock: Some("L"),
+                count: Some("C"),
+                copy: Some("P"),
+                delete: "X",
+            }),
+        );
+        assert_eq!(
+            runs(&four, Action::DeadLetter),
+            [
+                ("dead letter lock", "L"),
+                ("dead letter count", "C"),
+                ("dead letter copy", "P"),
+                ("dead letter delete", "X"),
+            ]
+        );
+        assert_eq!(
+            four.named(),
+            [
+                ("ack", &"A"),
+                ("dead letter lock", &"L"),
+                ("dead letter count", &"C"),
+                ("dead letter copy", &"P"),
+                ("dead letter delete", &"X"),
+            ]
+        );
+    }
+
+    #[test]
+    fn named_lists_ack_retry_then_the_dead_letter() {
+        let s = statements(
+            true,
+            DeadStatements::Move(DeadMove {
+                lock: None,
+                count: None,
+                copy: Some("P"),
+                delete: "X",
+            }),
+        );
+        assert_eq!(
+            s.named(),
+            [
+                ("ack", &"A"),
+                ("retry", &"R"),
+                ("dead letter copy", &"P"),
+                ("dead letter delete", &"X"),
+            ]
+        );
+        let mapped = s.map(str::len);
+        assert_eq!(mapped.named().len(), 4);
+    }
+
+    #[test]
+    #[should_panic(expected = "refused before settlement")]
+    fn a_dead_letter_without_a_target_never_reaches_the_statements() {
+        let _ = statements(true, DeadStatements::None).for_action(Action::DeadLetter);
+    }
+
+    #[test]
+    fn a_retry_writes_its_due_time_and_the_rest_write_now() {
+        assert_eq!(settle(Action::Ack).written_ms(), Some(1_000));
+        assert_eq!(settle(Action::DeadLetter).written_ms(), Some(1_000));
+        assert_eq!(settle(RETRY).written_ms(), None);
+        assert_eq!(
+            settle(Action::Retry { due_ms: Some(5) }).written_ms(),
+            Some(5)
+        );
+    }
+}
