@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use broker_core::driver::{
     AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, LockStatement, Position,
-    SessionKeyLock, Settle, TryLocked, WarmConnections,
+    SessionKeyLock, Settle, TryLocked, WarmConnections, settle_advisory,
 };
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sha2::{Digest, Sha256};
@@ -30,8 +30,8 @@ use sqlx::{Connection, MySql, MySqlConnection, MySqlPool, Row};
 use crate::backend::{Conn, claimed};
 use crate::fifo::{self, Guard};
 use crate::sql::{
-    Args, ErrorClass, P, SettleStatements, Sql, Statements, Stmt, begin_sql, classify, ident,
-    run_settle, settle_named, settle_retrying,
+    Args, P, SettleStatements, Sql, Statements, Stmt, begin_sql, classify, ident, run_settle,
+    settle_named,
 };
 
 /// The longest lock name, in characters, that both servers take as it is.
@@ -612,51 +612,20 @@ impl AdvisoryStrategy for MySqlAdvisory {
     }
 
     async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
-        let out = run_settle(
-            &self.settle,
-            lock.conn(),
-            self.table.name(),
-            settle,
-            Fence::Attempt(settle.attempt),
-            false,
-        )
-        .await;
-        lock.finished();
-        // The key's session was lost under the delivery (its key is free now): the settlement
-        // is fenced on the attempt the take wrote, so it runs again on pool connections for a
-        // while, and changes nothing if the row was taken again meanwhile.
-        let out = match out {
-            Err(e)
-                if e.sqlx_source()
-                    .is_some_and(|s| classify(s) == ErrorClass::Connection) =>
-            {
-                let deadline =
-                    broker_core::driver::clock::after_ms(std::time::Duration::from_secs(10));
-                settle_retrying(deadline, || async {
-                    let mut conn = Conn::acquire(&self.pool, self.table.name()).await?;
-                    let out = run_settle(
-                        &self.settle,
-                        &mut conn,
-                        self.table.name(),
-                        settle,
-                        Fence::Attempt(settle.attempt),
-                        false,
-                    )
-                    .await;
-                    conn.finish();
-                    out
-                })
-                .await
-            }
-            other => other,
+        let table = self.table.name();
+        let fence = Fence::Attempt(settle.attempt);
+        let on_lock = async {
+            let out = run_settle(&self.settle, lock.conn(), table, settle, fence, false).await;
+            lock.finished();
+            out
         };
-        match out? {
-            true => Ok(()),
-            false => Err(SqlxBrokerError::ClaimLost {
-                table: self.table.name().to_owned(),
-                id: settle.id,
-            }),
-        }
+        settle_advisory(classify, table, settle.id, on_lock, || async {
+            let mut conn = Conn::acquire(&self.pool, table).await?;
+            let out = run_settle(&self.settle, &mut conn, table, settle, fence, false).await;
+            conn.finish();
+            out
+        })
+        .await
     }
 
     async fn unlock(&self, lock: KeyLock) -> Result<()> {

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use broker_core::driver::retry::TRANSIENT_RETRIES;
 use broker_core::driver::{
     AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, LockStatement, Position,
-    SessionKeyLock, Settle, TryLocked, WarmConnections,
+    SessionKeyLock, Settle, TryLocked, WarmConnections, settle_advisory,
 };
 use broker_core::{KeyPart, KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::pool::PoolConnection;
@@ -26,12 +26,9 @@ use sqlx::{PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    ErrorClass, Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query,
-    retrying, run_settle, settle_named, settle_retrying,
+    Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query, retrying,
+    run_settle, settle_named,
 };
-
-/// How long an advisory settlement whose key session went away runs again on pool connections.
-const ADVISORY_SETTLE_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A held advisory key: the pool connection whose session holds the lock on the key (its
 /// name is the key itself). [`PgAdvisory::unlock`] frees the key and keeps the connection for
@@ -505,53 +502,32 @@ impl AdvisoryStrategy for PgAdvisory {
     /// Not cancel safe: a cancelled settlement may or may not have landed; the key stays locked
     /// until the lock is unlocked or dropped.
     async fn settle(&self, lock: &mut KeyLock, settle: Settle) -> Result<()> {
-        let conn = lock.conn();
-        let mut tries = 0;
-        let first = loop {
-            match run_settle(
-                &self.settle,
-                conn,
-                true,
-                settle,
-                Fence::Attempt(settle.attempt),
-            )
-            .await
-            {
-                Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
-                other => break other,
-            }
+        let table = self.table.name();
+        let fence = Fence::Attempt(settle.attempt);
+        let on_lock = async {
+            let conn = lock.conn();
+            let mut tries = 0;
+            let first = loop {
+                match run_settle(&self.settle, conn, true, settle, fence).await {
+                    Err(e) if e.is_transient() && tries < TRANSIENT_RETRIES => tries += 1,
+                    other => break other,
+                }
+            };
+            lock.finished();
+            first.map(|changed| changed == 1).map_err(|e| e.on(table))
         };
-        lock.finished();
-        let changed = match first {
-            // The key's session went away under the delivery (its key is free now): the
-            // settlement is fenced on the attempt the take wrote, so it runs again on pool
-            // connections for a while, and changes nothing if the row was taken again meanwhile.
-            Err(e) if classify(&e.source) == ErrorClass::Connection => {
-                let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
-                settle_retrying(deadline, || async {
-                    let mut conn = self.pool.acquire().await.map_err(Failed::new("acquire"))?;
-                    run_settle(
-                        &self.settle,
-                        &mut conn,
-                        true,
-                        settle,
-                        Fence::Attempt(settle.attempt),
-                    )
-                    .await
-                })
+        settle_advisory(classify, table, settle.id, on_lock, || async {
+            let mut conn = self
+                .pool
+                .acquire()
                 .await
-            }
-            other => other,
-        }
-        .map_err(|e| e.on(self.table.name()))?;
-        if changed == 1 {
-            Ok(())
-        } else {
-            Err(SqlxBrokerError::ClaimLost {
-                table: self.table.name().to_owned(),
-                id: settle.id,
-            })
-        }
+                .map_err(|e| Failed::new("acquire")(e).on(table))?;
+            run_settle(&self.settle, &mut conn, true, settle, fence)
+                .await
+                .map(|changed| changed == 1)
+                .map_err(|e| e.on(table))
+        })
+        .await
     }
 
     /// Unlocks and keeps the connection for the next try-lock (see `warm`); when the unlock

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use broker_core::driver::{
     AdvisoryStrategy, Candidate, ClaimedRow, Fence, KeyWalk, Position, Settle,
+    settle_advisory_on_pool,
 };
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
@@ -12,12 +13,8 @@ use sqlx::{Row, Sqlite, SqlitePool};
 use crate::backend::{Warm, warm_conn};
 use crate::keys::{KeyLock, KeyTable};
 use crate::sql::{
-    SettleStatements, Statements, ident, retrying, run_settle, settle_named, settle_retrying,
+    SettleStatements, Statements, classify, ident, retrying, run_settle, settle_named,
 };
-
-/// How long an advisory settlement runs again after lost connections (the value the other
-/// backends use): the key stays held in this process meanwhile.
-const ADVISORY_SETTLE_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The advisory strategy of one SQLite table.
 #[derive(Debug)]
@@ -304,27 +301,21 @@ impl AdvisoryStrategy for SqliteAdvisory {
         // The key is held in this process until the delivery unlocks it, so no other claim can
         // take the row meanwhile; the deadline only bounds how long a lost database file is
         // waited for (as on the other backends).
-        let deadline = broker_core::driver::clock::after_ms(ADVISORY_SETTLE_RETRY);
-        let changed = settle_retrying(deadline, || {
-            run_settle(
+        let table = self.table.name();
+        settle_advisory_on_pool(classify, table, settle.id, || async {
+            let changed = run_settle(
                 &self.settle,
                 &self.warm,
                 &self.pool,
                 &self.keys,
-                self.table.name(),
+                table,
                 settle,
                 Fence::Attempt(settle.attempt),
             )
+            .await?;
+            Ok(changed == 1)
         })
-        .await?;
-        if changed == 1 {
-            Ok(())
-        } else {
-            Err(SqlxBrokerError::ClaimLost {
-                table: self.table.name().to_owned(),
-                id: settle.id,
-            })
-        }
+        .await
     }
 
     async fn unlock(&self, lock: KeyLock) -> Result<()> {

@@ -25,7 +25,10 @@ pub use on_pool::{ConnFuture, on_pool};
 pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
 pub use schedules::{ScheduleStatements, TickParam};
 pub use session_lock::{LockStatement, SessionKeyLock, TryLocked};
-pub use settle::{DeadMove, DeadStatements, MoveStep, Run, SettleStatements};
+pub use settle::{
+    ADVISORY_SETTLE_RETRY, DeadMove, DeadStatements, MoveStep, Run, SettleStatements,
+    settle_advisory, settle_advisory_on_pool,
+};
 
 use std::future::Future;
 use std::sync::Arc;

@@ -1,10 +1,15 @@
 //! Settlement statements as every backend holds them: the backend writes a
 //! [`SettleStatements`] in its database's SQL, and what is common to all of them (which
-//! statements a settlement runs for its [`Action`], in what order, under which names) is
-//! written once here. A backend keeps
+//! statements a settlement runs for its [`Action`], in what order, under which names, and the
+//! advisory settlement's retry on pool connections) is written once here. A backend keeps
 //! binding and executing one statement, and its own transaction handling.
 
-use super::{Action, Settle};
+use std::future::Future;
+use std::time::Duration;
+
+use super::retry::{Classify, class_of, fenced_by};
+use super::{Action, ErrorClass, Settle, clock};
+use crate::error::{Result, SqlxBrokerError};
 
 /// The statements of one mode's settlements, built once at subscribe time. `S` is the
 /// backend's statement (its SQL text, or the text with what it binds).
@@ -178,6 +183,70 @@ impl Settle {
     }
 }
 
+/// How long an advisory settlement whose try met a lost connection runs again on pool
+/// connections. Nothing else bounds it: the key lock is gone with its session (or, on SQLite,
+/// held in this process), and the fence on the attempt keeps a late try from changing a row
+/// claimed again meanwhile.
+pub const ADVISORY_SETTLE_RETRY: Duration = Duration::from_secs(10);
+
+/// An advisory settlement as the backends whose key lock holds a connection run it: `on_lock`,
+/// the settlement on the lock's connection, whether it changed the row; when it fails with a
+/// lost connection (under the backend's `classify`), `on_pool` runs it again, fenced on the
+/// attempt the take wrote, under [`settle_advisory_on_pool`].
+///
+/// Rows changed: `Ok`; none: the row was claimed again ([`SqlxBrokerError::ClaimLost`]).
+pub async fn settle_advisory<F, Fut>(
+    classify: Classify,
+    table: &str,
+    id: i64,
+    on_lock: impl Future<Output = Result<bool>>,
+    on_pool: F,
+) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool>>,
+{
+    match on_lock.await {
+        // The key's session went away under the delivery (its key is free now): the
+        // settlement is fenced on the attempt the take wrote, so it runs again on pool
+        // connections for a while, and changes nothing if the row was taken again meanwhile.
+        Err(e) if class_of(classify, &e) == ErrorClass::Connection => {
+            settle_advisory_on_pool(classify, table, id, on_pool).await
+        }
+        other => settled(table, id, other?),
+    }
+}
+
+/// An advisory settlement `on_pool`, whether it changed the row, run under the fenced retry
+/// policy ([`fenced_by`]) for [`ADVISORY_SETTLE_RETRY`]: the second half of
+/// [`settle_advisory`], and the whole of it where the key lock holds no connection.
+pub async fn settle_advisory_on_pool<F, Fut>(
+    classify: Classify,
+    table: &str,
+    id: i64,
+    on_pool: F,
+) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool>>,
+{
+    let deadline = clock::after_ms(ADVISORY_SETTLE_RETRY);
+    let changed = fenced_by(classify, deadline, on_pool).await?;
+    settled(table, id, changed)
+}
+
+/// A fenced settlement's outcome: it changed the row, or the row was claimed again.
+fn settled(table: &str, id: i64, changed: bool) -> Result<()> {
+    if changed {
+        Ok(())
+    } else {
+        Err(SqlxBrokerError::ClaimLost {
+            table: table.to_owned(),
+            id,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,5 +384,41 @@ mod tests {
             settle(Action::Retry { due_ms: Some(5) }).written_ms(),
             Some(5)
         );
+    }
+
+    fn lost() -> SqlxBrokerError {
+        SqlxBrokerError::statement("jobs", "ack", sqlx::Error::PoolTimedOut)
+    }
+
+    fn by_kind(e: &sqlx::Error) -> ErrorClass {
+        match e {
+            sqlx::Error::PoolTimedOut => ErrorClass::Connection,
+            _ => ErrorClass::Permanent,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_advisory_settlement_runs_again_on_the_pool_only_after_a_lost_connection() {
+        let pool_tries = std::cell::Cell::new(0);
+        let on_pool = || {
+            pool_tries.set(pool_tries.get() + 1);
+            async { Ok(true) }
+        };
+        let out = settle_advisory(by_kind, "jobs", 7, async { Err(lost()) }, on_pool).await;
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(pool_tries.get(), 1);
+
+        let out = settle_advisory(by_kind, "jobs", 7, async { Ok(false) }, on_pool).await;
+        assert!(
+            matches!(out, Err(SqlxBrokerError::ClaimLost { id: 7, .. })),
+            "{out:?}"
+        );
+        let refused = SqlxBrokerError::statement("jobs", "ack", sqlx::Error::RowNotFound);
+        let out = settle_advisory(by_kind, "jobs", 7, async { Err(refused) }, on_pool).await;
+        assert!(
+            matches!(out, Err(SqlxBrokerError::Statement { .. })),
+            "{out:?}"
+        );
+        assert_eq!(pool_tries.get(), 1, "only a lost connection runs it again");
     }
 }
