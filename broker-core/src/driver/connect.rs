@@ -43,8 +43,8 @@ fn scheme(url: &str) -> Option<&str> {
     .then_some(s)
 }
 
-/// Refuses a URL whose scheme is not one of `database`'s (see [`SCHEMES`]): a `mysql://` URL
-/// given to the PostgreSQL backend would otherwise fail deep in the wire protocol
+/// Refuses a URL whose scheme is not one of `database`'s: a `mysql://` URL given to the
+/// PostgreSQL backend would otherwise fail deep in the wire protocol
 /// ("unexpected message: CopyData"), and a `postgres://` URL given to SQLite would name a file.
 /// `bare_path`: a URL without a scheme is a file path (SQLite).
 pub fn check_scheme(url: &str, database: &'static str, bare_path: bool) -> Result<()> {

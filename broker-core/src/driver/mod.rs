@@ -82,8 +82,9 @@ pub mod alias {
     pub const PAYLOAD: &str = "sqlx_broker_payload";
     /// The row's due time as unix milliseconds rounded down, NULL when it has none (or an
     /// infinite one), on tables with a due-time column: where the row stands in the claim
-    /// order (see [`Position`]). Optional: a claim that leaves it out reads as NULL, which
-    /// places the row earlier than it is and only costs the next claims a longer read.
+    /// order (see [`Position`](super::Position)). Optional: a claim that leaves it out reads
+    /// as NULL, which places the row earlier than it is and only costs the next claims a
+    /// longer read.
     pub const DUE: &str = "sqlx_broker_due_ms";
 }
 

@@ -1,4 +1,4 @@
-//! The conformance cases. Each is a generic async function over a [`TestDb`](crate::TestDb);
+//! The conformance cases. Each is a generic async function over a [`TestDb`];
 //! cases about a claim mode take it as an argument. [`conformance_suite!`](crate::conformance_suite)
 //! stamps a mode's cases only for backends that offer the mode, so no case returns early.
 

@@ -31,7 +31,7 @@ pub struct History {
 
 impl History {
     /// A history of deliveries from the queue table `table`; starts keeping the settlements and
-    /// claims the engine reports (see [`crate::engine_events`]), so faults can tell which
+    /// claims the engine reports (see `engine_events`), so faults can tell which
     /// settlements were through and which claims were in flight.
     pub fn new(table: &str) -> Self {
         crate::engine_events::install(false);
