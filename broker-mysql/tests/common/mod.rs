@@ -251,7 +251,8 @@ pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
 }
 
 /// An open transaction as [`open_transaction_details`] reads it: session, state, age (ms), rows
-/// locked, statement, and the session's command, state and time in the process list.
+/// locked, statement, the session's command, state and time in the process list, and what
+/// InnoDB says of the transaction (isolation, read only, autocommit non-locking, tables, locks).
 type TrxRow = (
     u64,
     String,
@@ -261,17 +262,23 @@ type TrxRow = (
     Option<String>,
     Option<String>,
     Option<i64>,
+    Option<String>,
 );
 
 /// What the open transactions of the broker's sessions are doing: per transaction its session,
-/// state, age, rows locked and statement, and whether the session is still in the process list
+/// state, age, rows locked, statement and InnoDB's view of it, and whether the session is still in the process list
 /// (and what it runs there). For a leak report that explains itself.
 async fn open_transaction_details(broker: &MySqlBroker) -> String {
     let mut admin = admin().await;
     let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
     let rows: Vec<TrxRow> =
         sqlx::query_as(
-            "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state,              CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED),              CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED)              FROM information_schema.INNODB_TRX AS t              LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
+            "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state,              CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED),              CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED), \
+             CONCAT('isolation ', t.trx_isolation_level, ', read only ', t.trx_is_read_only, \
+             ', autocommit non-locking ', t.trx_autocommit_non_locking, ', tables in use ', \
+             t.trx_tables_in_use, ', tables locked ', t.trx_tables_locked, ', lock structs ', \
+             t.trx_lock_structs, ', rows modified ', t.trx_rows_modified, ', operation ', \
+             IFNULL(t.trx_operation_state, '-'))              FROM information_schema.INNODB_TRX AS t              LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
         )
         .fetch_all(&mut admin)
         .await
@@ -307,9 +314,10 @@ async fn open_transaction_details(broker: &MySqlBroker) -> String {
     let open: String = rows
         .into_iter()
         .filter(|r| mine.contains(&r.0))
-        .map(|(id, state, age_ms, locked, query, command, pstate, time)| {
+        .map(|(id, state, age_ms, locked, query, command, pstate, time, more)| {
             format!(
-                "\n  session {id}: {state} for {age_ms} ms, {locked} rows locked, statement {query:?}; {}",
+                "\n  session {id}: {state} for {age_ms} ms, {locked} rows locked, statement {query:?} ({}); {}",
+                more.unwrap_or_default(),
                 match command {
                     Some(c) => format!("in the process list: {c} {pstate:?} for {time:?} s"),
                     None => "not in the process list".to_owned(),
