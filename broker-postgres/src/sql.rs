@@ -10,7 +10,9 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use broker_core::driver::{self, DeadMove, DeadStatements, Fence, Position, Run, Settle, alias};
+use broker_core::driver::{
+    self, DeadMove, DeadStatements, Fence, Position, Run, Settle, alias, bind_settle,
+};
 use broker_core::{DeadLetter, SqlxBrokerError, TableDescription};
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -500,15 +502,8 @@ pub(crate) async fn run_settle(
 ) -> Result<u64, Failed> {
     // Parameters: $1 id, $2 the time the statement writes, then the fence's from $3.
     let run = async |name: &'static str, sql: &Arc<str>, conn: &mut PgConnection| {
-        let q = query(sql, prepared)
-            .bind(settle.id)
-            .bind(settle.written_ms());
-        let q = match fence {
-            Fence::None => q,
-            Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
-            Fence::Attempt(attempt) => q.bind(attempt),
-        };
-        q.execute(conn)
+        bind_settle(query(sql, prepared), &settle, fence)
+            .execute(conn)
             .await
             .map(|done| done.rows_affected())
             .map_err(Failed::new(name))

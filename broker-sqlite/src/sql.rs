@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use broker_core::driver::{DeadMove, DeadStatements, Fence, Run, Settle, alias};
+use broker_core::driver::{DeadMove, DeadStatements, Fence, Run, Settle, alias, bind_settle};
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
@@ -252,15 +252,9 @@ async fn run_settle_on(
     let err = |name| move |e| SqlxBrokerError::statement(table, name, e);
     // Parameters: ?1 id, ?2 the time the statement writes, then the fence's from ?3.
     let run = async |name: &'static str, sql: &str, conn: &mut SqliteConnection| {
-        let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
-            .bind(settle.id)
-            .bind(settle.written_ms());
-        let q = match fence {
-            Fence::None => q,
-            Fence::Lease(token) => q.bind(token.expires_ms).bind(token.attempt),
-            Fence::Attempt(attempt) => q.bind(attempt),
-        };
-        q.execute(conn)
+        let q = sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()));
+        bind_settle(q, &settle, fence)
+            .execute(conn)
             .await
             .map(|done| done.rows_affected())
             .map_err(err(name))

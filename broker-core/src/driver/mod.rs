@@ -26,7 +26,7 @@ pub use row_tx::{KeptForClaim, RowTransaction, WarmConnections};
 pub use schedules::{ScheduleStatements, TickParam};
 pub use session_lock::{LockStatement, SessionKeyLock, TryLocked};
 pub use settle::{
-    ADVISORY_SETTLE_RETRY, DeadMove, DeadStatements, MoveStep, Run, SettleStatements,
+    ADVISORY_SETTLE_RETRY, DeadMove, DeadStatements, MoveStep, Run, SettleStatements, bind_settle,
     settle_advisory, settle_advisory_on_pool,
 };
 

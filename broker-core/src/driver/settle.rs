@@ -7,8 +7,11 @@
 use std::future::Future;
 use std::time::Duration;
 
+use sqlx::query::Query;
+use sqlx::{Database, Encode, Type};
+
 use super::retry::{Classify, class_of, fenced_by};
-use super::{Action, ErrorClass, Settle, clock};
+use super::{Action, ErrorClass, Fence, Settle, clock};
 use crate::error::{Result, SqlxBrokerError};
 
 /// The statements of one mode's settlements, built once at subscribe time. `S` is the
@@ -180,6 +183,27 @@ impl Settle {
             Action::Ack | Action::DeadLetter => Some(self.now_ms),
             Action::Retry { due_ms } => due_ms,
         }
+    }
+}
+
+/// Binds a settlement's parameters to `query`, one of its statements, in the order the
+/// statements take them: the row's id, the time it writes ([`Settle::written_ms`]), then the
+/// fence's values in [`Fence`]'s order (a lease token's expiry and attempt, or the attempt the
+/// take wrote; none in row lock mode).
+pub fn bind_settle<'q, DB: Database>(
+    query: Query<'q, DB, DB::Arguments>,
+    settle: &Settle,
+    fence: Fence,
+) -> Query<'q, DB, DB::Arguments>
+where
+    i64: for<'t> Encode<'t, DB> + Type<DB>,
+    Option<i64>: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let query = query.bind(settle.id).bind(settle.written_ms());
+    match fence {
+        Fence::None => query,
+        Fence::Lease(token) => query.bind(token.expires_ms).bind(token.attempt),
+        Fence::Attempt(attempt) => query.bind(attempt),
     }
 }
 
