@@ -53,7 +53,7 @@ CONF
 echo "host replication all 127.0.0.1/32 trust" >>"$DIR/primary/pg_hba.conf"
 as_pg "$BIN/pg_ctl" -D "$DIR/primary" -l "$DIR/primary.log" -w start >/dev/null
 psql -h 127.0.0.1 -p $PRIMARY -U postgres -d postgres -qc 'CREATE DATABASE test'
-as_pg "$BIN/pg_basebackup" -h 127.0.0.1 -p $PRIMARY -U postgres -D "$DIR/standby" -R -X stream >/dev/null
+as_pg "$BIN/pg_basebackup" -h 127.0.0.1 -p $PRIMARY -U postgres -D "$DIR/standby" -R -X stream -c fast >/dev/null
 sed -i "s/^port = $PRIMARY/port = $STANDBY/" "$DIR/standby/postgresql.conf"
 as_pg "$BIN/pg_ctl" -D "$DIR/standby" -l "$DIR/standby.log" -w start >/dev/null
 # Synchronous only once the standby runs (a commit would wait for it forever before).
