@@ -303,12 +303,14 @@ impl SqliteAdmin<'_> {
 
     /// Runs a write statement in this process's turn to write.
     async fn execute(&self, t: &str, name: &'static str, q: Q) -> Result<u64> {
+        let err = |e| SqlxBrokerError::statement(t, name, e);
+        let mut conn = self.pool.acquire().await.map_err(err)?;
         let _turn = self.file.write_turn().await;
         q.query()
-            .execute(self.pool)
+            .execute(&mut *conn)
             .await
             .map(|r| r.rows_affected())
-            .map_err(|e| SqlxBrokerError::statement(t, name, e))
+            .map_err(err)
     }
 
     /// With [`DeadLetters::Ids`], checks in `tx` (a write transaction: nothing changes under
@@ -355,8 +357,8 @@ impl SqliteAdmin<'_> {
         steps: Vec<Q>,
     ) -> Result<u64> {
         let err = |e| SqlxBrokerError::statement(t.name(), name, e);
-        let _turn = self.file.write_turn().await;
         let mut conn = self.pool.acquire().await.map_err(err)?;
+        let _turn = self.file.write_turn().await;
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(err)?;
         let done = async {
             self.all_dead(&mut tx, t, which).await?;

@@ -10,7 +10,7 @@ use broker_core::driver::{
 use broker_core::{KeyTemplate, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, warm_conn};
+use crate::backend::{Warm, warm_conn, write_conn};
 use crate::keys::{KeyLock, KeyTable};
 use crate::sql::{
     SettleStatements, Statements, classify, ident, retrying, run_settle, settle_named,
@@ -282,13 +282,14 @@ impl AdvisoryStrategy for SqliteAdvisory {
         id: i64,
         now_ms: i64,
     ) -> Result<Option<ClaimedRow<Sqlite>>> {
-        let _turn = self.keys.write_turn().await;
         let row = retrying(|| async {
             let q = sqlx::query(sqlx::AssertSqlSafe(self.take.clone()))
                 .bind(now_ms)
                 .bind(id);
-            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let (mut conn, turn) =
+                write_conn(&self.warm, &self.pool, &self.keys, self.table.name()).await?;
             let row = q.fetch_optional(&mut *conn).await;
+            drop(turn);
             self.warm.keep_if(conn, row.is_ok());
             row.map_err(self.err("take"))
         })

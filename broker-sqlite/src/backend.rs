@@ -16,7 +16,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Executor, Sqlite, SqliteConnection, SqlitePool};
 
 use crate::advisory::SqliteAdvisory;
-use crate::keys::KeyTable;
+use crate::keys::{KeyTable, WriteTurn};
 use crate::lease::SqliteLease;
 use crate::sql::ident;
 use crate::{schema, version};
@@ -179,6 +179,22 @@ pub(crate) async fn warm_conn(
     warm.acquire(pool)
         .await
         .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))
+}
+
+/// A connection to write on (the one kept last, or one from the pool), then this process's turn
+/// to write to the file (see [`KeyTable::write_turn`]). In that order: a writer that waits for
+/// the pool while it holds the turn stops every writer of the file until a connection comes
+/// back, and with many subscriptions on one pool the connections out are mostly kept by other
+/// subscriptions for their next statement, which go back only when they have waited a quarter
+/// second.
+pub(crate) async fn write_conn<'f>(
+    warm: &Warm,
+    pool: &SqlitePool,
+    file: &'f KeyTable,
+    table: &str,
+) -> Result<(PoolConnection<Sqlite>, WriteTurn<'f>)> {
+    let conn = warm_conn(warm, pool, table).await?;
+    Ok((conn, file.write_turn().await))
 }
 
 async fn acquire(pool: &SqlitePool, table: &str) -> Result<sqlx::pool::PoolConnection<Sqlite>> {

@@ -13,6 +13,9 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+/// This process's turn to write to a database file, held as long as the guard lives.
+pub(crate) type WriteTurn<'a> = tokio::sync::MutexGuard<'a, ()>;
+
 /// The keys held in one database file, and the turn to write to it.
 #[derive(Debug, Default)]
 pub(crate) struct KeyTable {
@@ -40,7 +43,8 @@ impl KeyTable {
     }
 
     /// Waits for this process's turn to write to the file; the turn lasts as long as the guard.
-    pub(crate) async fn write_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+    /// Take the connection to write on first (see [`write_conn`](crate::backend::write_conn)).
+    pub(crate) async fn write_turn(&self) -> WriteTurn<'_> {
         self.writes.lock().await
     }
 

@@ -10,7 +10,7 @@ use broker_core::driver::{
 use broker_core::{Result, SqlxBrokerError, TableDescription};
 use sqlx::{Row, Sqlite, SqlitePool};
 
-use crate::backend::{Warm, warm_conn};
+use crate::backend::{Warm, write_conn};
 use crate::keys::KeyTable;
 use crate::sql::{
     SettleStatements, Statements, ident, retrying, run_settle, settle_named, settle_retrying,
@@ -173,7 +173,6 @@ impl LeaseStrategy for SqliteLease {
         expires_ms: i64,
         _from: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Sqlite>>> {
-        let _turn = self.file.write_turn().await;
         let from = self.cursor.as_ref().map(GroupCursor::get);
         let rows = retrying(|| async {
             let mut q = sqlx::query(sqlx::AssertSqlSafe(self.claim.clone()))
@@ -183,8 +182,10 @@ impl LeaseStrategy for SqliteLease {
             if let Some(from) = &from {
                 q = q.bind(from.clone());
             }
-            let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+            let (mut conn, turn) =
+                write_conn(&self.warm, &self.pool, &self.file, self.table.name()).await?;
             let rows = q.fetch_all(&mut *conn).await;
+            drop(turn);
             self.warm.keep_if(conn, rows.is_ok());
             rows.map_err(self.err("claim"))
         })
@@ -207,13 +208,14 @@ impl LeaseStrategy for SqliteLease {
 
     async fn renew(&self, id: i64, token: LeaseToken, expires_ms: i64) -> Result<bool> {
         let done = settle_retrying(token.expires_ms - LEASE_MARGIN_MS, || async {
+            let mut conn = self.pool.acquire().await.map_err(self.err("acquire"))?;
             let _turn = self.file.write_turn().await;
             sqlx::query(sqlx::AssertSqlSafe(self.renew.clone()))
                 .bind(expires_ms)
                 .bind(id)
                 .bind(token.expires_ms)
                 .bind(token.attempt)
-                .execute(&self.pool)
+                .execute(&mut *conn)
                 .await
                 .map_err(self.err("renew"))
         })
@@ -242,9 +244,10 @@ impl LeaseStrategy for SqliteLease {
         for (id, token) in acks {
             q = q.bind(*id).bind(token.expires_ms).bind(token.attempt);
         }
-        let _turn = self.file.write_turn().await;
-        let mut conn = warm_conn(&self.warm, &self.pool, self.table.name()).await?;
+        let (mut conn, turn) =
+            write_conn(&self.warm, &self.pool, &self.file, self.table.name()).await?;
         let rows = q.fetch_all(&mut *conn).await;
+        drop(turn);
         self.warm.keep_if(conn, rows.is_ok());
         let rows = rows.map_err(self.err("ack many"))?;
         rows.iter()

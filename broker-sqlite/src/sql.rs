@@ -7,7 +7,7 @@ use broker_core::driver::{DeadMove, DeadStatements, Fence, Run, Settle, alias, b
 use broker_core::{DeadLetter, Result, SqlxBrokerError, TableDescription};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 
-use crate::backend::{Warm, warm_conn};
+use crate::backend::{Warm, write_conn};
 use crate::fifo;
 use crate::keys::KeyTable;
 
@@ -235,9 +235,9 @@ pub(crate) async fn run_settle(
     settle: Settle,
     fence: Fence,
 ) -> Result<u64> {
-    let _turn = file.write_turn().await;
-    let mut conn = warm_conn(warm, pool, table).await?;
+    let (mut conn, turn) = write_conn(warm, pool, file, table).await?;
     let done = run_settle_on(statements, &mut conn, table, settle, fence).await;
+    drop(turn);
     warm.keep_if(conn, done.is_ok());
     done
 }
