@@ -209,6 +209,7 @@ impl MySqlAdvisory {
         let fence = Sql::new(format!(" AND {} = ", s.attempt)).param(P::HeldAttempt);
         let settle = s.settle(&table, &fence, false, "");
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             table,
             database,
@@ -218,7 +219,6 @@ impl MySqlAdvisory {
             probe,
             take,
             settle,
-            warm: WarmConnections::default(),
         }
     }
 

@@ -177,6 +177,7 @@ impl MySqlLease {
         let settle = s.settle(&table, &fence, false, open);
         let ack_many = (mariadb && table.processed_at().is_none()).then(|| AckMany::new(&s, &lu));
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             begin: begin_sql(&table),
             window: Window::new(&table, &s),
@@ -186,7 +187,6 @@ impl MySqlLease {
             renew,
             settle,
             ack_many,
-            warm: WarmConnections::default(),
             table,
         }
     }

@@ -69,6 +69,7 @@ impl MySqlRowLock {
         let s = Statements::new(&table);
         let settle = s.settle(&table, &Sql::default(), true, "");
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             begin: begin_sql(&table),
             window: Window::new(&table, &s),
@@ -76,7 +77,6 @@ impl MySqlRowLock {
             settle,
             chain: !table.fifo(),
             table,
-            warm: WarmConnections::default(),
         }
     }
 

@@ -185,6 +185,7 @@ impl PgAdvisory {
             .and_then(|_| fifo::no_longer_heads(&table))
             .map(Arc::from);
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             table,
             literals,
@@ -195,7 +196,6 @@ impl PgAdvisory {
             recheck,
             guard,
             settle,
-            warm: WarmConnections::default(),
         }
     }
 

@@ -130,6 +130,7 @@ impl PgLease {
             .and_then(|_| fifo::no_longer_heads(&table))
             .map(Arc::from);
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             prepared: true,
             table,
@@ -141,7 +142,6 @@ impl PgLease {
             renew: renew.into(),
             settle,
             ack_many,
-            warm: WarmConnections::default(),
         }
     }
 

@@ -105,6 +105,7 @@ impl PgRowLock {
         });
         let settle = s.settle(&table, true, "");
         Self {
+            warm: WarmConnections::for_pool(&pool),
             pool,
             prepared: true,
             table,
@@ -114,7 +115,6 @@ impl PgRowLock {
             guard,
             cursor: GroupCursor::default(),
             settle,
-            warm: WarmConnections::default(),
             chain: false,
         }
     }

@@ -76,6 +76,7 @@ impl SqliteAdvisory {
             .key_walk_columns()
             .map(|cols| [false, true].map(|after| key_walk(&s, &table, &cols, after)));
         Self {
+            warm: Warm::for_pool(&pool),
             pool,
             table,
             keys,
@@ -84,7 +85,6 @@ impl SqliteAdvisory {
             walk,
             take,
             settle,
-            warm: Warm::default(),
         }
     }
 

@@ -516,3 +516,51 @@ impl Backend for SqliteBackend {
         Ok(None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::sqlite::SqlitePoolOptions;
+
+    use super::Warm;
+
+    /// Waits, a bounded while, for the pool to hold `idle` idle connections (a connection
+    /// dropped out of the pool goes back on a task of its own).
+    async fn idle(pool: &sqlx::SqlitePool, idle: usize) {
+        for _ in 0..500 {
+            if pool.num_idle() == idle {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "the pool holds {} idle connections, not {idle}",
+            pool.num_idle()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_kept_only_while_the_pool_has_one_to_spare() {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(2)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let warm = Warm::for_pool(&pool);
+        let a = pool.acquire().await.unwrap();
+        let b = pool.acquire().await.unwrap();
+        // Both connections out: another statement would wait for one, so `a` goes back.
+        warm.keep(a);
+        assert_eq!(
+            warm.len(),
+            0,
+            "kept a connection the pool had none to spare for"
+        );
+        idle(&pool, 1).await;
+        // One idle in the pool: `b` is kept for the next statement.
+        warm.keep(b);
+        assert_eq!(warm.len(), 1);
+        assert_eq!(pool.num_idle(), 1);
+    }
+}

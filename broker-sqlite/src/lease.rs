@@ -95,6 +95,7 @@ impl SqliteLease {
         };
         let ack_many_row = (s.id.clone(), format!("({}, {lu}, {})", s.id, s.attempt));
         let mut lease = Self {
+            warm: Warm::for_pool(&pool),
             pool,
             table,
             file,
@@ -105,7 +106,6 @@ impl SqliteLease {
             ack_many_head,
             ack_many_row,
             ack_two: String::new(),
-            warm: Warm::default(),
         };
         lease.ack_two = lease.ack_many_sql(2);
         lease

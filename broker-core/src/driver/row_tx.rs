@@ -165,9 +165,25 @@ const KEEP_AT_MOST: usize = 64;
 /// straight back), when a statement fails (the server may have dropped them all), when they
 /// wait longer than a quarter second (a clean-up task looks every quarter second while any is
 /// kept), and when a subscription stops.
+///
+/// Made [`for_pool`](Self::for_pool), a connection is not kept while that pool has none to
+/// spare (every connection it may open is open and out): the pool is shared by the broker's
+/// subscriptions and the service, and a connection kept for this table's next statement is
+/// one another table's statement waits for, a quarter second at a time.
 #[derive(Debug)]
 pub struct WarmConnections<C> {
     state: Arc<Mutex<Warm<C>>>,
+    pool: Option<PoolFull>,
+}
+
+/// Whether a pool has no connection to spare now.
+#[derive(Clone)]
+struct PoolFull(Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for PoolFull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PoolFull")
+    }
 }
 
 #[derive(Debug)]
@@ -187,7 +203,28 @@ impl<C> Default for WarmConnections<C> {
                 drained: false,
                 sweeping: false,
             })),
+            pool: None,
         }
+    }
+}
+
+impl<C> WarmConnections<C> {
+    /// Connections of `pool`, kept only while it has one to spare: an idle connection, or
+    /// room to open one.
+    pub fn for_pool<DB: Database>(pool: &Pool<DB>) -> Self {
+        let pool = pool.clone();
+        Self {
+            pool: Some(PoolFull(Arc::new(move || {
+                pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections()
+            }))),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the pool has no connection to spare now (never, for connections not made
+    /// [`for_pool`](Self::for_pool)).
+    fn pool_full(&self) -> bool {
+        self.pool.as_ref().is_some_and(|full| (full.0)())
     }
 }
 
@@ -220,20 +257,24 @@ impl<C: Send + 'static> WarmConnections<C> {
     /// finds the table drained meanwhile).
     pub fn would_keep(&self) -> bool {
         let w = self.lock();
-        !w.drained && w.idle.len() < KEEP_AT_MOST && tokio::runtime::Handle::try_current().is_ok()
+        !w.drained
+            && w.idle.len() < KEEP_AT_MOST
+            && tokio::runtime::Handle::try_current().is_ok()
+            && !self.pool_full()
     }
 
     /// Keeps a connection whose statement (or transaction) ended well, for the next one;
-    /// unless the table looked drained at the last claim, or there is no runtime to give it
-    /// back later.
+    /// unless the table looked drained at the last claim, the pool has no connection to spare
+    /// (see [`for_pool`](Self::for_pool)), or there is no runtime to give it back later.
     pub fn keep(&self, conn: C) {
         let runtime = tokio::runtime::Handle::try_current().ok();
+        let spare = !self.pool_full();
         let (give_back, sweep) = {
             let mut w = self.lock();
             let mut stale = w.stale();
             let mut sweep = false;
             match &runtime {
-                Some(_) if !w.drained && w.idle.len() < KEEP_AT_MOST => {
+                Some(_) if spare && !w.drained && w.idle.len() < KEEP_AT_MOST => {
                     w.idle.push((conn, Instant::now()));
                     sweep = !w.sweeping;
                     w.sweeping = true;
