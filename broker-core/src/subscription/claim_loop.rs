@@ -17,7 +17,7 @@ use super::options::SubscribeOptions;
 use super::pause::PauseWatch;
 use super::plan::{Plan, pool_size};
 use super::state::{Claimed, Happened, Limits, Machine, Wait};
-use super::timing::claim_backoff;
+use super::timing::{claim_backoff, spread};
 use super::work::{Engine, work};
 use super::{Health, InFlight, ShutdownReport, Waiting};
 use crate::delivery::{self, Delivery};
@@ -230,7 +230,7 @@ where
             Some(report) = self.reports.recv() => Event::Report(report),
             Some(_) = self.tasks.join_next() => Event::TaskDone,
             _ = self.engine.wake.notified(), if look => Event::Look,
-            _ = tokio::time::sleep(wait.look.unwrap_or_default()), if look => Event::Look,
+            _ = tokio::time::sleep(spread(wait.look.unwrap_or_default(), fastrand::f64())), if look => Event::Look,
             permits = window.acquire_many_owned(wanted), if wait.claim.is_some() => {
                 Event::Permits(permits.expect("the window semaphore is never closed"))
             }

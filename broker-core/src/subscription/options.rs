@@ -95,7 +95,11 @@ impl SubscribeOptions {
     }
     /// How long an idle subscription waits before it looks again when nothing wakes it (at
     /// least [`MIN_POLL_INTERVAL`]; shorter is refused at subscribe, since an idle subscription
-    /// would then keep a core and the database busy with empty claims).
+    /// would then keep a core and the database busy with empty claims). Each wait for the next
+    /// look (the poll interval, the cooldown, a claim backoff) is spread at random by up to a
+    /// tenth either way, so subscriptions started or drained together drift apart instead of
+    /// taking connections out of a shared pool at the same moments; on average an idle
+    /// subscription still looks once per poll interval.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self

@@ -1,6 +1,7 @@
 //! How long the claim loop waits when it has nothing to claim: after a drained claim (the
 //! adaptive poll, from the cooldown up to the poll interval) and after failed claims (the claim
-//! backoff). Pure functions of durations, so tests need no clock.
+//! backoff), and how each such wait is spread. Pure functions of durations, so tests need no
+//! clock.
 
 use std::time::Duration;
 
@@ -31,6 +32,19 @@ pub(super) fn drained_wait(
         return poll_interval;
     };
     since.max(poll_cooldown).min(poll_interval)
+}
+
+/// How far either way a wait for the next look is spread: a tenth.
+pub(super) const SPREAD: f64 = 0.1;
+
+/// `wait` spread by up to [`SPREAD`] of it either way, by `unit` (a number in `0.0..1.0`, drawn
+/// at random per wait: 0 gives the shortest wait, 0.5 the wait itself). Subscriptions started
+/// together (or drained together) would otherwise look at the same moments forever and take
+/// connections out of a shared pool in bursts; spread, they drift apart, and an idle one still
+/// looks once per poll interval on average.
+pub(super) fn spread(wait: Duration, unit: f64) -> Duration {
+    let unit = unit.clamp(0.0, 1.0);
+    wait.mul_f64(1.0 - SPREAD + 2.0 * SPREAD * unit)
 }
 
 #[cfg(test)]
@@ -77,5 +91,19 @@ mod tests {
         );
         assert_eq!(wait(300), Duration::from_millis(300));
         assert_eq!(wait(5_000), POLL, "never longer than the poll interval");
+    }
+
+    #[test]
+    fn a_wait_is_spread_by_a_tenth_either_way() {
+        assert_eq!(spread(POLL, 0.0), Duration::from_millis(900));
+        assert_eq!(spread(POLL, 0.5), POLL);
+        assert_eq!(spread(POLL, 0.75), Duration::from_millis(1_050));
+        assert!(spread(POLL, 0.999_999) < Duration::from_millis(1_100));
+        assert_eq!(
+            spread(POLL, 7.0),
+            Duration::from_millis(1_100),
+            "a unit out of range is clamped"
+        );
+        assert_eq!(spread(Duration::ZERO, 0.3), Duration::ZERO);
     }
 }
