@@ -84,12 +84,16 @@ impl PgLease {
             ),
         };
         // The UPDATE's RETURNING sees the counted attempt; the outer select hands the rows back
-        // in claim order.
+        // in claim order. `q.id = ANY(ARRAY(..))` lets every plan find the picked rows by the
+        // primary key: without it, a generic plan made while the table was empty hash-joins them
+        // with a scan of the whole table, and PostgreSQL keeps that plan until the table is
+        // analyzed again, however large it grows meanwhile.
         let claim_with = |picked: &str| {
             format!(
                 "WITH {recursive}{picked}, sqlx_broker_claimed AS (\
                  UPDATE {t} AS q SET {lu} = {expiry}, {a} = q.{a} + 1 FROM sqlx_broker_picked AS p \
-                 WHERE q.{id} = p.id RETURNING {columns}) \
+                 WHERE q.{id} = ANY(ARRAY(SELECT id FROM sqlx_broker_picked)) AND q.{id} = p.id \
+                 RETURNING {columns}) \
                  SELECT * FROM sqlx_broker_claimed ORDER BY {order_out}",
                 t = s.table,
                 expiry = ts("$2"),

@@ -335,8 +335,12 @@ impl Statements {
         let (table, id, a) = (&self.table, &self.id, &self.attempt);
         let lu = ident(locked_until);
         let rows = "UNNEST($1::int8[], $2::int8[], $3::int8[]) AS b(id, expiry, attempt)";
+        // `q.id = ANY($1)` lets every plan find the rows by the primary key. Without it, a
+        // generic plan made while the table was empty (a new queue, or one vacuum left small)
+        // hash-joins the ids with a scan of the whole table, and PostgreSQL keeps that plan
+        // until the table is analyzed again, however large it grows meanwhile.
         let fenced = format!(
-            "q.{id} = b.id AND q.{lu} = {} AND q.{a} = b.attempt",
+            "q.{id} = ANY($1::int8[]) AND q.{id} = b.id AND q.{lu} = {} AND q.{a} = b.attempt",
             ts("b.expiry")
         );
         match t.processed_at() {
