@@ -1072,6 +1072,7 @@ where
     let piled_label = side.piled_label();
     eprintln!("{}", header(piled_label));
     let mut last = (0.0f64, 0u64, 0i64);
+    let mut engine_last = (0u64, 0u64, 0u64, 0u64);
     let mut first_rate = None;
     let mut end = 0u64;
     let result: Result<(), BoxError> = async {
@@ -1099,6 +1100,22 @@ where
             };
             let first = *first_rate.get_or_insert(w.rate());
             eprintln!("{}", row(&w, first));
+            // What the engine saw in the window: a falling rate with claims failing, racing or
+            // losing leases reads differently from one whose statements slowed down.
+            let m = sub.metrics();
+            eprintln!(
+                "  engine: claim errors {} (+{}), conflicts {} (+{}), lease lost {} (+{}), settle failed {} (+{}), in work {}",
+                m.claim_errors,
+                m.claim_errors - engine_last.0,
+                m.claim_conflicts,
+                m.claim_conflicts - engine_last.1,
+                m.lease_lost,
+                m.lease_lost - engine_last.2,
+                m.settle_failed,
+                m.settle_failed - engine_last.3,
+                m.in_work,
+            );
+            engine_last = (m.claim_errors, m.claim_conflicts, m.lease_lost, m.settle_failed);
             out.windows.push(w);
             last = (now, handled, depth);
         }
