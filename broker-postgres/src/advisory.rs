@@ -29,6 +29,7 @@ use crate::sql::{
     Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query, retrying,
     run_settle, settle_named,
 };
+use crate::stats::StatsWatch;
 
 /// A held advisory key: the pool connection whose session holds the lock on the key (its
 /// name is the key itself). [`PgAdvisory::unlock`] frees the key and keeps the connection for
@@ -87,6 +88,8 @@ pub struct PgAdvisory {
     /// next candidate read or try-lock: a pool acquire tests the connection with a round trip
     /// of its own, one more per row than a hand-written loop that keeps its connection.
     warm: WarmConnections<PoolConnection<Postgres>>,
+    /// Analyzes the table when a burst left its statistics stale (see `stats`).
+    stats: Arc<StatsWatch>,
 }
 
 const TRY_LOCK: LockStatement<bool> = LockStatement {
@@ -104,6 +107,7 @@ impl PgAdvisory {
         table: Arc<TableDescription>,
         template: &KeyTemplate,
         columns: &[String],
+        stats: Arc<StatsWatch>,
     ) -> Self {
         let s = Statements::new(&table, columns);
         // $1 now, $2 limit, literals from $3, then the skip.
@@ -186,6 +190,7 @@ impl PgAdvisory {
             .map(Arc::from);
         Self {
             warm: WarmConnections::for_pool(&pool),
+            stats,
             pool,
             table,
             literals,
@@ -341,6 +346,7 @@ impl AdvisoryStrategy for PgAdvisory {
         now_ms: i64,
         position: Option<Position>,
     ) -> Result<Vec<Candidate>> {
+        let began = std::time::Instant::now();
         let rows = retrying(|| async {
             let bind = |mut q: sqlx::query::Query<'static, Postgres, _>| {
                 q = q
@@ -366,6 +372,7 @@ impl AdvisoryStrategy for PgAdvisory {
         if skip == 0 {
             // Nothing due: kept connections go back to the pool until a read finds rows.
             self.warm.claimed(!rows.is_empty());
+            self.stats.claimed(rows.len(), began.elapsed());
         }
         rows.iter()
             .map(|row| {

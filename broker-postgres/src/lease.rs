@@ -18,6 +18,7 @@ use crate::sql::{
     Failed, Resume, SettleStatements, Statements, ident, on_pool, on_warm, query, retrying,
     run_settle, settle_named, settle_retrying, ts,
 };
+use crate::stats::StatsWatch;
 
 /// How many times a FIFO claim runs when its second read finds a row that is no longer its
 /// group's head (see `fifo::claim_checked`).
@@ -46,6 +47,8 @@ pub struct PgLease {
     ack_many: Arc<str>,
     /// Connections kept from one claim or ack to the next.
     warm: WarmConnections<sqlx::pool::PoolConnection<Postgres>>,
+    /// Analyzes the table when a burst left its statistics stale (see `stats`).
+    stats: Arc<StatsWatch>,
 }
 
 impl PgLease {
@@ -54,6 +57,7 @@ impl PgLease {
         table: Arc<TableDescription>,
         locked_until: &str,
         columns: &[String],
+        stats: Arc<StatsWatch>,
     ) -> Self {
         let s = Statements::new(&table, columns);
         let lu = ident(locked_until);
@@ -135,6 +139,7 @@ impl PgLease {
             .map(Arc::from);
         Self {
             warm: WarmConnections::for_pool(&pool),
+            stats,
             pool,
             prepared: true,
             table,
@@ -214,6 +219,7 @@ impl LeaseStrategy for PgLease {
         expires_ms: i64,
         position: Option<Position>,
     ) -> Result<Vec<ClaimedRow<Postgres>>> {
+        let began = std::time::Instant::now();
         let from = self.guard.as_ref().map(|_| self.cursor.get());
         let mut tries = 0;
         let rows = loop {
@@ -263,6 +269,7 @@ impl LeaseStrategy for PgLease {
         // A claim that found fewer rows than it asked for: the table looks drained, and kept
         // connections go back to the pool (so do those of acks until a claim fills again).
         self.warm.claimed(rows.len() == limit);
+        self.stats.claimed(rows.len(), began.elapsed());
         if let (Some(from), Some(group)) = (&from, self.table.group()) {
             let took = rows
                 .iter()

@@ -139,6 +139,7 @@ mod row_lock;
 mod schedule;
 mod schema;
 mod sql;
+mod stats;
 mod version;
 
 pub use admin::PgAdmin;

@@ -24,6 +24,7 @@ use crate::fifo;
 use crate::sql::{
     Failed, Resume, SettleStatements, Statements, query, retrying, run_settle, settle_named,
 };
+use crate::stats::StatsWatch;
 
 const SAVEPOINT: &str = "SAVEPOINT sqlx_broker_writes";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT sqlx_broker_writes";
@@ -53,13 +54,20 @@ pub struct PgRowLock {
     /// not behind a transaction-mode pooler, where an open transaction would pin a server
     /// connection while it waits).
     chain: bool,
+    /// Analyzes the table when a burst left its statistics stale (see `stats`).
+    stats: Arc<StatsWatch>,
 }
 
 /// Commits and begins the next transaction, with the same isolation level, in one statement.
 const COMMIT_AND_CHAIN: &str = "COMMIT AND CHAIN";
 
 impl PgRowLock {
-    pub(crate) fn new(pool: PgPool, table: Arc<TableDescription>, columns: &[String]) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        table: Arc<TableDescription>,
+        columns: &[String],
+        stats: Arc<StatsWatch>,
+    ) -> Self {
         let s = Statements::new(&table, columns);
         let columns = s.claimed_columns(false);
         // $1 now, then the position.
@@ -106,6 +114,7 @@ impl PgRowLock {
         let settle = s.settle(&table, true, "");
         Self {
             warm: WarmConnections::for_pool(&pool),
+            stats,
             pool,
             prepared: true,
             table,
@@ -145,9 +154,14 @@ impl PgRowLock {
         now_ms: i64,
         from: Option<Position>,
     ) -> Result<Option<RowLockClaim<Postgres>>, Failed> {
+        let began = std::time::Instant::now();
         let claimed = self.claim_on_warm(now_ms, from).await;
         match &claimed {
-            Ok(found) => self.warm.claimed(found.is_some()),
+            Ok(found) => {
+                self.warm.claimed(found.is_some());
+                self.stats
+                    .claimed(usize::from(found.is_some()), began.elapsed());
+            }
             // The server may have dropped every kept connection; the retry takes tested ones.
             Err(_) => self.warm.release(),
         }

@@ -58,6 +58,7 @@ bounded!(
     an_advisory_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
     a_unique_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
     lease_claims_and_shared_acks_planned_on_an_empty_table_read_no_other_row_once_it_is_full,
+    a_burst_after_a_vacuum_of_a_drained_table_leaves_no_claim_reading_the_whole_table,
 );
 
 mod case {
@@ -899,6 +900,178 @@ mod case {
         );
         pool.close().await;
         fx.cleanup().await;
+    }
+
+    /// Issue #32: an autovacuum that runs while the queue is nearly drained records a table of a
+    /// few rows, and a burst fills it before the next analyze. Planned on that record, a claim
+    /// reads and sorts the whole table instead of reading the claim index (45 ms a claim on
+    /// 93,000 rows in the steady bench). Here `VACUUM ANALYZE` runs on a table of a few rows
+    /// (lease: all leased), 60,000 rows follow; a claim, which reads and sorts them all, must
+    /// lead the queue to analyze the table (the recorded row count catches up), and a claim
+    /// after that, planned with its bound values as a statement's first executions are, must
+    /// leave the table's `seq_scan` counter where it was. A session's counters reach the shared
+    /// statistics when it forces a flush or ends, so the setup forces one and each claiming
+    /// broker's sessions are gone from `pg_stat_activity` before the counter is read.
+    pub(super) async fn a_burst_after_a_vacuum_of_a_drained_table_leaves_no_claim_reading_the_whole_table()
+     {
+        use std::str::FromStr;
+
+        let mut scans = Vec::new();
+        for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+            let fx = fixture(mode).await;
+            let name = fx.table.name().to_owned();
+            let table = format!("\"{name}\"");
+            let mut admin = sqlx::PgConnection::connect(&fx.url).await.unwrap();
+            // Rows left at the vacuum: a row lock claim (of one row) reads and sorts the table
+            // only when the record says one or two; a lease or advisory claim (of 8) at 8.
+            let left = if mode == ClaimMode::RowLock { 2 } else { 8 };
+            let key = if mode == ClaimMode::Advisory {
+                (", k", ", 'k' || i")
+            } else {
+                ("", "")
+            };
+            let fill = format!(
+                "INSERT INTO {table} (payload, due_at{}) SELECT 'job-' || i, now(){} \
+                 FROM generate_series(1, 60000) AS s(i)",
+                key.0, key.1
+            );
+            let mut setup = vec![
+                // Neither an autovacuum nor a truncation may change the statistics under the case.
+                format!(
+                    "ALTER TABLE {table} SET (autovacuum_enabled = false, vacuum_truncate = false)"
+                ),
+                fill.clone(),
+                format!("DELETE FROM {table} WHERE id <= (SELECT max(id) FROM {table}) - {left}"),
+            ];
+            if mode == ClaimMode::Lease {
+                setup.push(format!(
+                    "UPDATE {table} SET locked_until = now() + INTERVAL '1 hour', attempt = 1"
+                ));
+            }
+            setup.push(format!("VACUUM ANALYZE {table}"));
+            setup.push(fill);
+            // The inserts reach the live row count now, as a producer's do within a second or so.
+            setup.push("SELECT pg_stat_force_next_flush()".into());
+            for sql in setup {
+                admin.execute(sqlx::AssertSqlSafe(sql)).await.unwrap();
+            }
+            let recorded =
+                format!("SELECT reltuples::float8 FROM pg_class WHERE relname = '{name}'");
+            let before: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(recorded.clone()))
+                .fetch_one(&mut admin)
+                .await
+                .unwrap();
+            assert_eq!(
+                before,
+                f64::from(left),
+                "{mode}: the vacuum recorded the rows left"
+            );
+
+            // A broker whose sessions plan each statement with its bound values.
+            let claim_once = || async {
+                let app = broker_testkit::unique_name("plan");
+                let options = sqlx::postgres::PgConnectOptions::from_str(&fx.url)
+                    .expect("a PostgreSQL URL")
+                    .application_name(&app);
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    // A row lock claim of 8 holds 8 connections.
+                    .max_connections(10)
+                    .after_connect(|conn, _| {
+                        Box::pin(async move {
+                            conn.execute("SET plan_cache_mode = force_custom_plan")
+                                .await
+                                .map(|_| ())
+                        })
+                    })
+                    .connect_with(options)
+                    .await
+                    .unwrap();
+                let broker =
+                    broker_core::Broker::new(broker_postgres::PgBackend::new(pool.clone()));
+                let queue = broker
+                    .queue::<Job>(fx.table.clone())
+                    .await
+                    .expect("prepare the queue");
+                let claimed = queue.claim(8).await.expect("claim");
+                assert_eq!(claimed.len(), 8, "{mode}: the claim finds due rows");
+                (broker, pool, app, claimed)
+            };
+            let close = |broker: broker_core::Broker<broker_postgres::PgBackend>,
+                         pool: sqlx::PgPool,
+                         app: String| {
+                let probe = fx.broker.pool().clone();
+                async move {
+                    broker.close().await;
+                    pool.close().await;
+                    wait_until(
+                        "the claiming sessions to end",
+                        Duration::from_secs(20),
+                        || {
+                            let (probe, app) = (probe.clone(), app.clone());
+                            async move {
+                                sqlx::query_scalar::<_, i64>(
+                                    "SELECT count(*) FROM pg_stat_activity \
+                                     WHERE application_name = $1",
+                                )
+                                .bind(app)
+                                .fetch_one(&probe)
+                                .await
+                                .unwrap()
+                                    == 0
+                            }
+                        },
+                    )
+                    .await;
+                }
+            };
+
+            let (broker, pool, app, claimed) = claim_once().await;
+            let probe = fx.broker.pool().clone();
+            wait_until(
+                "the queue to analyze its table",
+                Duration::from_secs(30),
+                || {
+                    let (probe, recorded) = (probe.clone(), recorded.clone());
+                    async move {
+                        sqlx::query_scalar::<_, f64>(sqlx::AssertSqlSafe(recorded))
+                            .fetch_one(&probe)
+                            .await
+                            .unwrap()
+                            >= 30_000.0
+                    }
+                },
+            )
+            .await;
+            // Dropped, not settled: the rows wait (row lock and advisory: at once), and only
+            // claims are counted.
+            drop(claimed);
+            close(broker, pool, app).await;
+
+            let seq_scans =
+                format!("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = '{name}'");
+            admin
+                .execute("SELECT pg_stat_force_next_flush()")
+                .await
+                .unwrap();
+            let before: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(seq_scans.clone()))
+                .fetch_one(&mut admin)
+                .await
+                .unwrap();
+            let (broker, pool, app, claimed) = claim_once().await;
+            drop(claimed);
+            close(broker, pool, app).await;
+            let after: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(seq_scans))
+                .fetch_one(&mut admin)
+                .await
+                .unwrap();
+            scans.push((mode, after - before));
+            admin.close().await.unwrap();
+            fx.cleanup().await;
+        }
+        assert!(
+            scans.iter().all(|(_, n)| *n == 0),
+            "a claim after the analyze read the whole table (scans of it by mode): {scans:?}"
+        );
     }
 
     /// Waits until a session waits for the advisory key `key` (`pg_locks`), naming `what`.
