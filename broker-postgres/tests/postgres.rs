@@ -813,18 +813,8 @@ mod case {
             )))
             .await
             .unwrap();
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .after_connect(|conn, _| {
-                Box::pin(async move {
-                    conn.execute("SET plan_cache_mode = force_generic_plan")
-                        .await
-                        .map(|_| ())
-                })
-            })
-            .connect(&fx.url)
-            .await
-            .unwrap();
+        let options = std::str::FromStr::from_str(&fx.url).expect("a PostgreSQL URL");
+        let pool = planning_pool(options, 1, "force_generic_plan").await;
         let backend = broker_postgres::PgBackend::new(pool.clone());
         let described = std::sync::Arc::new(fx.table.clone());
         let Prepared::Lease(lease) = backend.prepare(&described).await.expect("prepare") else {
@@ -973,19 +963,8 @@ mod case {
                 let options = sqlx::postgres::PgConnectOptions::from_str(&fx.url)
                     .expect("a PostgreSQL URL")
                     .application_name(&app);
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    // A row lock claim of 8 holds 8 connections.
-                    .max_connections(10)
-                    .after_connect(|conn, _| {
-                        Box::pin(async move {
-                            conn.execute("SET plan_cache_mode = force_custom_plan")
-                                .await
-                                .map(|_| ())
-                        })
-                    })
-                    .connect_with(options)
-                    .await
-                    .unwrap();
+                // A row lock claim of 8 holds 8 connections.
+                let pool = planning_pool(options, 10, "force_custom_plan").await;
                 let broker =
                     broker_core::Broker::new(broker_postgres::PgBackend::new(pool.clone()));
                 let queue = broker
@@ -1072,6 +1051,28 @@ mod case {
             scans.iter().all(|(_, n)| *n == 0),
             "a claim after the analyze read the whole table (scans of it by mode): {scans:?}"
         );
+    }
+
+    /// A pool of up to `max` connections on `options` whose sessions plan prepared statements
+    /// with `plan_cache_mode` set to `mode` (`force_generic_plan`: the plan made without the
+    /// bound values; `force_custom_plan`: a plan made with them at every execution).
+    async fn planning_pool(
+        options: sqlx::postgres::PgConnectOptions,
+        max: u32,
+        mode: &'static str,
+    ) -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    conn.execute(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .connect_with(options)
+            .await
+            .unwrap()
     }
 
     /// Waits until a session waits for the advisory key `key` (`pg_locks`), naming `what`.
