@@ -1,6 +1,6 @@
 //! The PostgreSQL checks of [`Broker::doctor`](broker_core::Broker::doctor): server version,
 //! pooler, prepared statements, `LISTEN`, settings that cut row-lock deliveries short, the
-//! clock, and the indexes the claim reads.
+//! clock, the indexes the claim reads, vacuum, and whether the role may analyze the table.
 //!
 //! Every statement here runs unprepared (the simple protocol, or an unnamed statement), and the
 //! probes that could leave session state behind run on connections of their own that are closed
@@ -12,7 +12,7 @@ use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 
 use crate::sql::ident;
-use crate::{schema, version};
+use crate::{schema, stats, version};
 
 /// A connection of the doctor's own, with the pool's options (through the same pooler, if any).
 async fn own_connection(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
@@ -64,6 +64,7 @@ pub(crate) async fn checks(
             out.extend(broker_core::doctor::unique_index_check(table, found, &fix));
         }
         out.push(vacuum(&mut a, table).await);
+        out.push(statistics(&mut a, table).await);
     }
     let _ = a.close().await;
     let _ = b.close().await;
@@ -281,6 +282,32 @@ async fn clock(conn: &mut PgConnection, table: &TableDescription) -> Check {
             "clock",
             format!("cannot read the database's clock: {e}"),
             "check it by hand",
+        ),
+    }
+}
+
+/// Whether this role may `ANALYZE` the table, which a queue does when a burst has left the
+/// table's statistics stale (see `PgBackend::analyze_stale_tables`).
+async fn statistics(conn: &mut PgConnection, table: &TableDescription) -> Check {
+    let name = "statistics";
+    let sql = stats::check_sql(&stats::literal(&ident(table.name())));
+    match one_row(conn, &sql)
+        .await
+        .and_then(|r| r.try_get::<bool, _>(2))
+    {
+        Ok(true) => Check::pass(
+            name,
+            "this role may ANALYZE the table: a queue analyzes it when a burst left its statistics stale",
+        ),
+        Ok(false) => Check::warn(
+            name,
+            "this role may not ANALYZE the table: when an autovacuum finds the queue nearly drained and a burst follows, claims read and sort the whole table until autovacuum analyzes it again (up to autovacuum_naptime)",
+            "run the broker as the table's owner (or a member of the owner role), or lower autovacuum_naptime",
+        ),
+        Err(e) => Check::warn(
+            name,
+            format!("cannot read the table's owner: {e}"),
+            "check by hand that the broker's role owns the table",
         ),
     }
 }

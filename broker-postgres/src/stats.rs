@@ -47,7 +47,7 @@ pub(crate) const MIN_LIVE: i64 = 10_000;
 /// The recorded row count, the live rows, and whether this role may analyze the table whose
 /// quoted name is the string literal `table`. Sent in the simple protocol (one message, no
 /// statement to prepare), which passes through a transaction-mode pooler.
-fn check_sql(table: &str) -> String {
+pub(crate) fn check_sql(table: &str) -> String {
     format!(
         "SELECT c.reltuples::float8, COALESCE(s.n_live_tup, 0)::int8, \
          pg_has_role(c.relowner, 'USAGE') OR pg_has_role((SELECT d.datdba FROM pg_database AS d \
@@ -55,6 +55,11 @@ fn check_sql(table: &str) -> String {
          FROM pg_class AS c LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid \
          WHERE c.oid = to_regclass({table})"
     )
+}
+
+/// A quoted table name as a string literal, for [`check_sql`].
+pub(crate) fn literal(quoted: &str) -> String {
+    format!("'{}'", quoted.replace('\'', "''"))
 }
 
 /// The statistics watch of one queue table (see the module docs).
@@ -138,8 +143,7 @@ impl StatsWatch {
 
     /// Reads the table's recorded and live row counts and analyzes it when the record is stale.
     pub(crate) async fn check(&self) -> Result<Checked, sqlx::Error> {
-        let literal = format!("'{}'", self.table.replace('\'', "''"));
-        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(check_sql(&literal)))
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(check_sql(&literal(&self.table))))
             .fetch_one(&self.pool)
             .await?;
         let (recorded, live, allowed): (f64, i64, bool) =

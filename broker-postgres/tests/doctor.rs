@@ -100,11 +100,53 @@ async fn a_healthy_deployment_passes_every_check_in_every_mode() {
             "indexes",
             "table and statements",
             "pool size",
+            "statistics",
         ] {
             assert_eq!(status(&report, check), Status::Pass, "{mode}:\n{report}");
         }
         fx.cleanup().await;
     }
+}
+
+/// A broker whose role does not own the queue table cannot analyze it, so statistics a burst
+/// leaves stale wait for autovacuum: the doctor says so and how to fix it. (The owner passes, in
+/// the healthy deployment above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_role_that_may_not_analyze_the_table_is_warned_with_its_fix() {
+    let fx = Fixture::<Pg>::new(ClaimMode::Lease, |b| b).await;
+    let role = broker_testkit::unique_name("worker");
+    let mut admin = PgConnection::connect(&fx.url).await.unwrap();
+    for sql in [
+        format!("CREATE ROLE \"{role}\" LOGIN"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO \"{role}\""
+        ),
+        format!("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA public TO \"{role}\""),
+    ] {
+        admin.execute(AssertSqlSafe(sql)).await.unwrap();
+    }
+    let options = PgConnectOptions::from_str(&fx.url).unwrap().username(&role);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let broker = Broker::new(PgBackend::new(pool));
+    let report = broker.doctor(&fx.table, &DoctorOptions::new()).await;
+    assert_eq!(status(&report, "statistics"), Status::Warn, "{report}");
+    assert!(
+        fix(&report, "statistics").contains("owner"),
+        "the fix names the table's owner:\n{report}"
+    );
+    broker.close().await;
+    for sql in [
+        format!("DROP OWNED BY \"{role}\""),
+        format!("DROP ROLE \"{role}\""),
+    ] {
+        admin.execute(AssertSqlSafe(sql)).await.unwrap();
+    }
+    admin.close().await.unwrap();
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
