@@ -29,7 +29,7 @@ use crate::sql::{
     RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
     begin_sql, execute_plain, retrying, run_settle, settle_named,
 };
-use crate::window::{Candidates, PAGES, Window};
+use crate::window::{Candidates, PAGES, Spare, Window};
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -47,6 +47,9 @@ pub struct MySqlRowLock {
     /// Settlements that keep their connection read the next window and begin (tables without
     /// FIFO groups).
     chain: bool,
+    /// The rest of the last window, for the next claims of settlements that keep their
+    /// connection (see [`Spare`]).
+    spare: Spare,
 }
 
 /// What a settlement keeps for the next claim.
@@ -76,6 +79,7 @@ impl MySqlRowLock {
             guard: fifo::guard(&table, group_index),
             settle,
             chain: !table.fifo(),
+            spare: Spare::default(),
             table,
         }
     }
@@ -141,7 +145,21 @@ impl MySqlRowLock {
                 .map_err(self.err("claim take"))?;
             self.window.claimed(&window, taken.iter());
             match taken {
-                Some(row) => return self.hold(tx, row).await,
+                Some(row) => {
+                    if self.chain {
+                        use sqlx::Row;
+                        let id = row
+                            .try_get::<i64, _>(broker_core::driver::alias::ID)
+                            .map_err(self.err("claim take"))?;
+                        self.spare.keep_after(&window, id);
+                    }
+                    return self.hold(tx, row).await;
+                }
+                None if window.is_spare() => {
+                    // Spare ids that others took since: read a window instead.
+                    let conn = tx.rollback().await.map_err(self.err("rollback"))?;
+                    kept = Some(Kept::Idle(conn));
+                }
                 None => {
                     tx.rollback().await.map_err(self.err("rollback"))?;
                     if !window.more() {
@@ -159,6 +177,37 @@ impl MySqlRowLock {
     /// both for that claim. A window that found nothing ends the new transaction at once.
     async fn commit_and_read(&self, mut tx: RowTransaction<MySql>) -> Result<()> {
         let name = self.table.name();
+        if let Some(window) = self.spare.share() {
+            // The rest of a recent window serves the next claim: commit and begin, no read.
+            use futures_util::TryStreamExt;
+            let sql = format!("COMMIT; {}", self.begin);
+            let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(&mut *tx);
+            // The first result is the commit's: an error there is the settlement's.
+            let committed = results.try_next().await.map_err(self.err("commit"))?;
+            if committed.is_none() {
+                drop(results);
+                tx.close_on_drop();
+                return Err(self.err("commit")(sqlx::Error::Protocol(
+                    "no result for COMMIT".into(),
+                )));
+            }
+            let begun = async {
+                while results.try_next().await?.is_some() {}
+                Ok::<(), sqlx::Error>(())
+            }
+            .await;
+            drop(results);
+            match begun {
+                Ok(()) => self.warm.keep(Kept::Begun(tx, window)),
+                Err(e) => {
+                    // The settlement committed; only the next claim's begin failed.
+                    tracing::debug!(table = name, error = %e, "the begin after a commit failed; closing its connection");
+                    self.spare.clear();
+                    tx.close_on_drop();
+                }
+            }
+            return Ok(());
+        }
         let read = self
             .window
             .commit_and_read(&mut tx, broker_core::driver::clock::now_ms(), &self.begin)

@@ -95,9 +95,95 @@ pub(crate) struct Candidates {
     /// Without it a claim whose walk started at the last group came back empty with heads
     /// claimable before it, and a subscription slept until its poll.
     wrap: bool,
+    /// Taken from [`Spare`] ids rather than read: a take that finds nothing among them says
+    /// nothing of the table, so the claim reads a window instead of ending.
+    spare: bool,
+}
+
+/// How long the rest of a window may serve later claims (see [`Spare`]): as long as the
+/// advisory strategy keeps its candidates.
+pub(crate) const SPARE_FOR: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// How many spare ids one claim takes, so that several workers share a window's rest at once
+/// (each locks among its own ids) instead of reading windows of their own.
+pub(crate) const SPARE_SHARE: usize = 4;
+
+/// The rest of the last window read, for the next claims (tables without FIFO groups): the
+/// ids after the row its claim took, in claim order. A settlement that keeps its connection then
+/// commits and begins without reading a window: at batch size 1 a window of [`WINDOW`] ids was
+/// read, and its `SET TRANSACTION` statements parsed, for every row. Ids older than
+/// [`SPARE_FOR`] are not used, so a row that became claimable ahead of them (a retry, a row
+/// given back, a higher priority) waits at most that long; the take checks every condition of
+/// a claimable row again, so a spare id can make a claim miss a row, never take a wrong one.
+#[derive(Debug, Default)]
+pub(crate) struct Spare(std::sync::Mutex<Option<(Vec<i64>, std::time::Instant)>>);
+
+impl Spare {
+    /// Keeps the ids of `window`'s run after `taken`, replacing what was kept.
+    pub(crate) fn keep_after(&self, window: &Candidates, taken: i64) {
+        if window.spare {
+            return;
+        }
+        let rest: Vec<i64> = window
+            .run()
+            .iter()
+            .copied()
+            .filter(|id| *id > taken)
+            .collect();
+        let mut kept = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *kept = (!rest.is_empty()).then(|| (rest, std::time::Instant::now()));
+    }
+
+    /// Up to [`SPARE_SHARE`] of the lowest ids kept, as a window of their own; `None` when
+    /// none are kept or they are older than [`SPARE_FOR`].
+    pub(crate) fn share(&self) -> Option<Candidates> {
+        let mut kept = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (ids, at) = kept.as_mut()?;
+        if at.elapsed() >= SPARE_FOR {
+            *kept = None;
+            return None;
+        }
+        let mine: Vec<i64> = ids.drain(..ids.len().min(SPARE_SHARE)).collect();
+        if ids.is_empty() {
+            *kept = None;
+        }
+        Some(Candidates::of(mine, true))
+    }
+
+    /// Forgets what was kept.
+    pub(crate) fn clear(&self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 impl Candidates {
+    /// Ids in claim order, from a window read (tables without FIFO groups) or `spare`.
+    fn of(ids: Vec<i64>, spare: bool) -> Self {
+        let run = rising_run(&ids);
+        Self {
+            ids,
+            run,
+            walked: Vec::new(),
+            full: false,
+            wrap: false,
+            spare,
+        }
+    }
+
+    /// Whether these are [`Spare`] ids rather than a window read.
+    pub(crate) fn is_spare(&self) -> bool {
+        self.spare
+    }
+
     /// Nothing claimable was seen.
     pub(crate) fn is_empty(&self) -> bool {
         self.ids.is_empty()
@@ -252,14 +338,7 @@ impl Window {
                 Err(e) => return Ok(Err(e)),
             }
         }
-        let run = rising_run(&ids);
-        Ok(Ok(Candidates {
-            ids,
-            run,
-            walked: Vec::new(),
-            full: false,
-            wrap: false,
-        }))
+        Ok(Ok(Candidates::of(ids, false)))
     }
 
     /// Reads the window of `table`, outside any transaction. On an error the caller must not
@@ -322,14 +401,7 @@ impl Window {
                 .iter()
                 .map(|r| r.try_get::<i64, _>(0))
                 .collect::<Result<Vec<_>, _>>()?;
-            let run = rising_run(&ids);
-            return Ok(Candidates {
-                ids,
-                run,
-                walked: Vec::new(),
-                full: false,
-                wrap: false,
-            });
+            return Ok(Candidates::of(ids, false));
         }
         // (id or NULL, group or NULL): rows without a group first, then one row per group
         // walked, with its head's id where the head is claimable.
@@ -356,6 +428,7 @@ impl Window {
             walked,
             full,
             wrap: page.after.is_some() && !full,
+            spare: false,
         })
     }
 
@@ -426,6 +499,36 @@ fn rising_run(ids: &[i64]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn window(ids: Vec<i64>) -> Candidates {
+        Candidates::of(ids, false)
+    }
+
+    #[test]
+    fn spare_ids_are_the_runs_rest_shared_a_few_at_a_time_while_fresh() {
+        let spare = Spare::default();
+        spare.keep_after(&window((1..=10).collect()), 3);
+        let first = spare.share().expect("kept");
+        assert!(first.is_spare());
+        assert_eq!(first.run(), &[4, 5, 6, 7]);
+        assert_eq!(spare.share().expect("kept").run(), &[8, 9, 10]);
+        assert!(spare.share().is_none(), "all shared");
+        // The rest of spare ids is never kept again: only a window read is.
+        spare.keep_after(&first, 4);
+        assert!(spare.share().is_none());
+        spare.keep_after(&window(vec![20, 21, 5]), 20);
+        assert_eq!(
+            spare.share().expect("kept").run(),
+            &[21],
+            "only the rising run"
+        );
+        spare.keep_after(&window(vec![30, 31]), 30);
+        std::thread::sleep(SPARE_FOR + std::time::Duration::from_millis(50));
+        assert!(spare.share().is_none(), "too old to use");
+        spare.keep_after(&window(vec![40, 41]), 40);
+        spare.clear();
+        assert!(spare.share().is_none());
+    }
 
     #[test]
     fn the_run_ends_where_ids_stop_rising() {

@@ -574,3 +574,60 @@ async fn row_lock_claims_keep_priority_order_when_ids_fall() {
 async fn lease_claims_keep_priority_order_when_ids_fall() {
     claims_keep_priority_order_when_ids_fall(ClaimMode::Lease).await;
 }
+
+/// A row lock settlement that keeps its connection commits and begins without reading a window
+/// when the rest of a recent window is kept (`Spare`); the next claim locks among those ids. When
+/// other sessions have taken or removed every one of them meanwhile, that claim must read a
+/// window instead of ending: ending would tell the subscription that the table looks drained
+/// while a row is due. Driven through the strategy, as the engine drives it: a claim (a window
+/// read; the rest of it kept), the rows after it deleted and a new row inserted by plain SQL,
+/// the ack keeping its connection, and a claim that must find the new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending() {
+    use broker_core::Backend;
+    use broker_core::driver::{Action, Prepared, RowLockStrategy, Settle, clock};
+
+    let fx = fixture(ClaimMode::RowLock, |b| b).await;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, 10).await;
+    let table = fx.table.name().to_owned();
+    let described = std::sync::Arc::new(fx.table.clone());
+    let Prepared::RowLock(rows) = fx
+        .broker
+        .backend()
+        .prepare(&described)
+        .await
+        .expect("prepare")
+    else {
+        panic!("a row lock table prepares its row lock strategy")
+    };
+    let (tx, first) = rows
+        .claim(clock::now_ms(), None)
+        .await
+        .expect("claim")
+        .expect("a due row");
+    assert_eq!(first.id, ids[0]);
+    // The rest of that window, gone (taken elsewhere); a new row, inserted from elsewhere.
+    for sql in [
+        format!("DELETE FROM `{table}` WHERE id > {}", ids[0]),
+        format!("INSERT INTO `{table}` (payload) VALUES ('late')"),
+    ] {
+        fx.broker.pool().execute(AssertSqlSafe(sql)).await.unwrap();
+    }
+    let ack = Settle {
+        id: first.id,
+        action: Action::Ack,
+        now_ms: clock::now_ms(),
+        attempt: first.attempt,
+    };
+    rows.settle(tx, ack, false, true).await.expect("ack");
+    let (tx, late) = rows
+        .claim(clock::now_ms(), None)
+        .await
+        .expect("claim")
+        .expect("the row inserted after the kept ids were taken is claimed");
+    assert!(late.id > ids[9], "the new row, not {}", late.id);
+    drop(tx);
+    drop(rows);
+    fx.cleanup().await;
+}
