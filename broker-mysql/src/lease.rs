@@ -4,7 +4,9 @@
 //! once. The locking read takes its rows among the ids of a window read just before, without
 //! locks, outside the transaction (see [`crate::window`]); on tables without FIFO groups the
 //! transaction's begin goes in the window read's round trip (so a claim costs the loop's round
-//! trips: begin and read, take, update, commit), and the claim runs its transaction with plain
+//! trips: begin and read, take, update, commit; a claim that finds the rest of a recent window
+//! kept, see [`crate::window::Spare`], begins and takes among those ids without reading one), and
+//! the claim runs its transaction with plain
 //! `COMMIT`/`ROLLBACK` statements, closing its connection on an error. The rows come back as the locking
 //! read saw them, so their attempt is the one before the claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
@@ -35,7 +37,7 @@ use crate::sql::{
     Args, IN_TRANSACTION, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
     run_settle, settle_named, settle_retrying, whole_seconds,
 };
-use crate::window::{Candidates, PAGES, Window};
+use crate::window::{Candidates, PAGES, Spare, Window};
 
 /// The lease strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -59,6 +61,9 @@ pub struct MySqlLease {
     ack_many: Option<AckMany>,
     /// Connections kept from one claim or ack to the next.
     warm: WarmConnections<sqlx::pool::PoolConnection<MySql>>,
+    /// The rest of the last window, for the next claims (tables without FIFO groups; see
+    /// [`Spare`]).
+    spare: Spare,
 }
 
 /// The ack of many rows on MariaDB: `{head}{ids}) AND ({fences}) ORDER BY id LIMIT n{tail}`.
@@ -187,6 +192,7 @@ impl MySqlLease {
             renew,
             settle,
             ack_many,
+            spare: Spare::default(),
             table,
         }
     }
@@ -229,36 +235,37 @@ impl MySqlLease {
         // rollback) where it has none. A FIFO walk reads on past empty windows, so it begins
         // only once it has candidates.
         let begin = (!self.window.walks()).then_some(&*self.begin);
+        // The same tables try the rest of a recent window first (see `Spare`).
+        let mut spare = begin.and_then(|_| self.spare.share(limit));
         for _ in 0..PAGES {
-            // An error leaves `conn` armed, so it is closed (see `Window::read_then`).
-            let window = self
-                .window
-                .read_then(&mut conn, self.table.name(), now_ms, &page, begin)
-                .await?;
-            if window.is_empty() {
-                if begin.is_some() {
-                    sqlx::raw_sql("ROLLBACK")
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(self.err("rollback"))?;
+            let (window, begun) = match spare.take() {
+                Some(window) => (window, false),
+                None => {
+                    // An error leaves `conn` armed, so it is closed (see `Window::read_then`).
+                    let window = self
+                        .window
+                        .read_then(&mut conn, self.table.name(), now_ms, &page, begin)
+                        .await?;
+                    if window.is_empty() {
+                        if begin.is_some() {
+                            sqlx::raw_sql("ROLLBACK")
+                                .execute(&mut *conn)
+                                .await
+                                .map_err(self.err("rollback"))?;
+                        }
+                        self.window.claimed(&window, []);
+                        if window.more() {
+                            // FIFO: the groups walked had no claimable head; walk on.
+                            page = window.next_page(&page);
+                            continue;
+                        }
+                        break;
+                    }
+                    (window, begin.is_some())
                 }
-                self.window.claimed(&window, []);
-                if window.more() {
-                    // FIFO: the groups walked had no claimable head; walk on.
-                    page = window.next_page(&page);
-                    continue;
-                }
-                break;
-            }
+            };
             let out = self
-                .claim_on(
-                    &mut conn,
-                    &window,
-                    limit,
-                    now_ms,
-                    expires_ms,
-                    begin.is_some(),
-                )
+                .claim_on(&mut conn, &window, limit, now_ms, expires_ms, begun)
                 .await;
             let out = match out {
                 Err(e) => {
@@ -276,9 +283,19 @@ impl MySqlLease {
             if let Ok(rows) = &out {
                 self.window.claimed(&window, rows.iter().map(|r| &r.row));
             }
+            if matches!(&out, Ok(rows) if rows.is_empty() && window.is_spare()) {
+                // Spare ids that others took since: read a window instead.
+                continue;
+            }
             if matches!(&out, Ok(rows) if rows.is_empty() && window.more()) {
                 page = window.next_page(&page);
                 continue;
+            }
+            if begin.is_some()
+                && let Ok(rows) = &out
+                && let Some(last) = rows.iter().map(|r| r.id).max()
+            {
+                self.spare.keep_after(&window, last);
             }
             // A claim that found fewer rows than it asked for: the table looks drained, and
             // kept connections go back to the pool (so do those of acks until a claim fills).

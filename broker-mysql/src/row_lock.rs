@@ -177,7 +177,7 @@ impl MySqlRowLock {
     /// both for that claim. A window that found nothing ends the new transaction at once.
     async fn commit_and_read(&self, mut tx: RowTransaction<MySql>) -> Result<()> {
         let name = self.table.name();
-        if let Some(window) = self.spare.share() {
+        if let Some(window) = self.spare.share(1) {
             // The rest of a recent window serves the next claim: commit and begin, no read.
             use futures_util::TryStreamExt;
             let sql = format!("COMMIT; {}", self.begin);

@@ -109,9 +109,10 @@ pub(crate) const SPARE_FOR: std::time::Duration = std::time::Duration::from_mill
 pub(crate) const SPARE_SHARE: usize = 4;
 
 /// The rest of the last window read, for the next claims (tables without FIFO groups): the
-/// ids after the row its claim took, in claim order. A settlement that keeps its connection then
-/// commits and begins without reading a window: at batch size 1 a window of [`WINDOW`] ids was
-/// read, and its `SET TRANSACTION` statements parsed, for every row. Ids older than
+/// ids after the rows its claim took, in claim order. Under row lock a settlement that keeps its
+/// connection then commits and begins without reading a window; a lease claim begins and takes
+/// without one. At batch size 1 a window of [`WINDOW`] ids was otherwise read, and its
+/// `SET TRANSACTION` statements parsed, for every row. Ids older than
 /// [`SPARE_FOR`] are not used, so a row that became claimable ahead of them (a retry, a row
 /// given back, a higher priority) waits at most that long; the take checks every condition of
 /// a claimable row again, so a spare id can make a claim miss a row, never take a wrong one.
@@ -137,9 +138,10 @@ impl Spare {
         *kept = (!rest.is_empty()).then(|| (rest, std::time::Instant::now()));
     }
 
-    /// Up to [`SPARE_SHARE`] of the lowest ids kept, as a window of their own; `None` when
-    /// none are kept or they are older than [`SPARE_FOR`].
-    pub(crate) fn share(&self) -> Option<Candidates> {
+    /// The lowest ids kept, as a window of their own, for a claim of up to `want` rows: as many
+    /// as it wants, [`SPARE_SHARE`] at least; `None` when fewer than `want` are kept or they are
+    /// older than [`SPARE_FOR`].
+    pub(crate) fn share(&self, want: usize) -> Option<Candidates> {
         let mut kept = self
             .0
             .lock()
@@ -149,7 +151,10 @@ impl Spare {
             *kept = None;
             return None;
         }
-        let mine: Vec<i64> = ids.drain(..ids.len().min(SPARE_SHARE)).collect();
+        if ids.len() < want {
+            return None;
+        }
+        let mine: Vec<i64> = ids.drain(..ids.len().min(want.max(SPARE_SHARE))).collect();
         if ids.is_empty() {
             *kept = None;
         }
@@ -508,26 +513,34 @@ mod tests {
     fn spare_ids_are_the_runs_rest_shared_a_few_at_a_time_while_fresh() {
         let spare = Spare::default();
         spare.keep_after(&window((1..=10).collect()), 3);
-        let first = spare.share().expect("kept");
+        let first = spare.share(1).expect("kept");
         assert!(first.is_spare());
         assert_eq!(first.run(), &[4, 5, 6, 7]);
-        assert_eq!(spare.share().expect("kept").run(), &[8, 9, 10]);
-        assert!(spare.share().is_none(), "all shared");
+        assert_eq!(spare.share(1).expect("kept").run(), &[8, 9, 10]);
+        assert!(spare.share(1).is_none(), "all shared");
         // The rest of spare ids is never kept again: only a window read is.
         spare.keep_after(&first, 4);
-        assert!(spare.share().is_none());
+        assert!(spare.share(1).is_none());
         spare.keep_after(&window(vec![20, 21, 5]), 20);
         assert_eq!(
-            spare.share().expect("kept").run(),
+            spare.share(1).expect("kept").run(),
             &[21],
             "only the rising run"
         );
         spare.keep_after(&window(vec![30, 31]), 30);
         std::thread::sleep(SPARE_FOR + std::time::Duration::from_millis(50));
-        assert!(spare.share().is_none(), "too old to use");
+        assert!(spare.share(1).is_none(), "too old to use");
         spare.keep_after(&window(vec![40, 41]), 40);
         spare.clear();
-        assert!(spare.share().is_none());
+        assert!(spare.share(1).is_none());
+        // A claim of many rows gets as many ids as it wants, and none when fewer are kept.
+        spare.keep_after(&window((50..=60).collect()), 50);
+        assert!(spare.share(11).is_none(), "only 10 kept");
+        assert_eq!(
+            spare.share(6).expect("kept").run(),
+            &[51, 52, 53, 54, 55, 56]
+        );
+        assert_eq!(spare.share(1).expect("kept").run(), &[57, 58, 59, 60]);
     }
 
     #[test]

@@ -631,3 +631,53 @@ async fn a_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending(
     drop(rows);
     fx.cleanup().await;
 }
+
+/// The same for lease claims: a claim among kept ids that others took since reads a window
+/// instead of ending. Driven through the strategy: a claim (a window read; the rest kept), the
+/// rows after it deleted and a new row inserted by plain SQL, and a claim that must find the
+/// new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending() {
+    use broker_core::Backend;
+    use broker_core::driver::{LeaseStrategy, Prepared, clock};
+
+    let fx = fixture(ClaimMode::Lease, |b| b).await;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, 10).await;
+    let table = fx.table.name().to_owned();
+    let described = std::sync::Arc::new(fx.table.clone());
+    let Prepared::Lease(lease) = fx
+        .broker
+        .backend()
+        .prepare(&described)
+        .await
+        .expect("prepare")
+    else {
+        panic!("a lease table prepares its lease strategy")
+    };
+    let claim = || async {
+        let now = clock::now_ms();
+        lease
+            .claim(1, now, now + 60_000, None)
+            .await
+            .expect("claim")
+    };
+    let first = claim().await;
+    assert_eq!(first.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[0]]);
+    // The rest of that window, gone (taken elsewhere); a new row, inserted from elsewhere.
+    for sql in [
+        format!("DELETE FROM `{table}` WHERE id > {}", ids[0]),
+        format!("INSERT INTO `{table}` (payload) VALUES ('late')"),
+    ] {
+        fx.broker.pool().execute(AssertSqlSafe(sql)).await.unwrap();
+    }
+    let late = claim().await;
+    assert_eq!(
+        late.len(),
+        1,
+        "the row inserted after the kept ids were taken is claimed"
+    );
+    assert!(late[0].id > ids[9], "the new row, not {}", late[0].id);
+    drop(lease);
+    fx.cleanup().await;
+}
