@@ -37,7 +37,7 @@ use crate::sql::{
     Args, IN_TRANSACTION, P, SettleStatements, Sql, Statements, Stmt, begin_sql, ident, retrying,
     run_settle, settle_named, settle_retrying, whole_seconds,
 };
-use crate::window::{Candidates, PAGES, Spare, Window};
+use crate::window::{Candidates, PAGES, SPARE_TRIES, Spare, Window};
 
 /// The lease strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -328,12 +328,26 @@ impl MySqlLease {
                 .await
                 .map_err(self.err("begin"))?;
         }
-        let rows = self
+        let mut rows = self
             .window
             .take(window.run(), limit, now_ms)
             .fetch_all(&mut *tx)
             .await
             .map_err(self.err("claim take"))?;
+        let mut tries = 0;
+        while rows.is_empty() && window.is_spare() && tries < SPARE_TRIES {
+            // Spare ids that a claim reading a window took: the next ones, same transaction.
+            let Some(next) = self.spare.share(limit) else {
+                break;
+            };
+            rows = self
+                .window
+                .take(next.run(), limit, now_ms)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(self.err("claim take"))?;
+            tries += 1;
+        }
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             let row = claimed(&self.table, row, None)?;

@@ -29,7 +29,7 @@ use crate::sql::{
     RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
     begin_sql, execute_plain, retrying, run_settle, settle_named,
 };
-use crate::window::{Candidates, PAGES, Spare, Window};
+use crate::window::{Candidates, PAGES, SPARE_TRIES, Spare, Window};
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -103,7 +103,9 @@ impl MySqlRowLock {
     async fn claim_once(&self, now_ms: i64) -> Result<Option<RowLockClaim<MySql>>> {
         let mut page = self.window.first_page();
         let mut kept = self.warm.take();
-        for _ in 0..PAGES {
+        let mut tries = 0;
+        // The kept transaction's take, its tries with more spare ids, then the windows.
+        for _ in 0..1 + SPARE_TRIES + PAGES {
             let (mut tx, window) = match kept.take() {
                 // The last settlement read this window and began the transaction.
                 Some(Kept::Begun(tx, window)) => (tx, window),
@@ -156,7 +158,15 @@ impl MySqlRowLock {
                     return self.hold(tx, row).await;
                 }
                 None if window.is_spare() => {
-                    // Spare ids that others took since: read a window instead.
+                    // Spare ids that a claim reading a window took: the next ones, in the same
+                    // transaction, a few times; then a window.
+                    if tries < SPARE_TRIES
+                        && let Some(next) = self.spare.share(1)
+                    {
+                        tries += 1;
+                        kept = Some(Kept::Begun(tx, next));
+                        continue;
+                    }
                     let conn = tx.rollback().await.map_err(self.err("rollback"))?;
                     kept = Some(Kept::Idle(conn));
                 }

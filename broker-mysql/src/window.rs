@@ -104,9 +104,11 @@ pub(crate) struct Candidates {
 /// advisory strategy keeps its candidates.
 pub(crate) const SPARE_FOR: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// How many spare ids one claim takes, so that several workers share a window's rest at once
-/// (each locks among its own ids) instead of reading windows of their own.
-pub(crate) const SPARE_SHARE: usize = 4;
+/// How many times a claim whose spare ids were all taken tries the next ones, in the same
+/// transaction (a take each), before it reads a window. Reading one at once would take the
+/// lowest free id in it, which is the next spare id another claim was about to lock: that claim
+/// would find nothing and read a window in turn, and so on.
+pub(crate) const SPARE_TRIES: usize = 3;
 
 /// The rest of the last window read, for the next claims (tables without FIFO groups): the
 /// ids after the rows its claim took, in claim order. Under row lock a settlement that keeps its
@@ -117,47 +119,69 @@ pub(crate) const SPARE_SHARE: usize = 4;
 /// given back, a higher priority) waits at most that long; the take checks every condition of
 /// a claimable row again, so a spare id can make a claim miss a row, never take a wrong one.
 #[derive(Debug, Default)]
-pub(crate) struct Spare(std::sync::Mutex<Option<(Vec<i64>, std::time::Instant)>>);
+pub(crate) struct Spare(std::sync::Mutex<Option<Kept>>);
+
+/// What [`Spare`] holds.
+#[derive(Debug)]
+struct Kept {
+    /// The ids not handed out yet, in claim order.
+    ids: Vec<i64>,
+    /// When the window they came from was read.
+    at: std::time::Instant,
+    /// The highest id handed out or taken since the ids were kept fresh. Workers that found
+    /// nothing kept read windows at the same time, and each window holds the ids the others
+    /// took or were handed; kept again, those would go to a second claim, which finds them
+    /// locked or leased and ends its transaction with nothing.
+    handed: i64,
+}
 
 impl Spare {
-    /// Keeps the ids of `window`'s run after `taken`, replacing what was kept.
+    /// Keeps the ids of `window`'s run after `taken` (and after every id handed out while
+    /// the kept ids are fresh), replacing what was kept.
     pub(crate) fn keep_after(&self, window: &Candidates, taken: i64) {
         if window.spare {
             return;
         }
-        let rest: Vec<i64> = window
-            .run()
-            .iter()
-            .copied()
-            .filter(|id| *id > taken)
-            .collect();
         let mut kept = self
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *kept = (!rest.is_empty()).then(|| (rest, std::time::Instant::now()));
+        let handed = match kept.as_ref() {
+            Some(k) if k.at.elapsed() < SPARE_FOR => k.handed.max(taken),
+            _ => taken,
+        };
+        let ids = window
+            .run()
+            .iter()
+            .copied()
+            .filter(|id| *id > handed)
+            .collect();
+        *kept = Some(Kept {
+            ids,
+            at: std::time::Instant::now(),
+            handed,
+        });
     }
 
-    /// The lowest ids kept, as a window of their own, for a claim of up to `want` rows: as many
-    /// as it wants, [`SPARE_SHARE`] at least; `None` when fewer than `want` are kept or they are
-    /// older than [`SPARE_FOR`].
+    /// The `want` lowest ids kept, as a window of their own, for a claim of up to `want` rows;
+    /// `None` when fewer are kept or they are older than [`SPARE_FOR`]. Each claim gets ids of
+    /// its own, so workers claiming at once lock different rows; one that finds its ids taken
+    /// (by a claim that read a window at the same time) reads a window.
     pub(crate) fn share(&self, want: usize) -> Option<Candidates> {
         let mut kept = self
             .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (ids, at) = kept.as_mut()?;
-        if at.elapsed() >= SPARE_FOR {
+        let k = kept.as_mut()?;
+        if k.at.elapsed() >= SPARE_FOR {
             *kept = None;
             return None;
         }
-        if ids.len() < want {
+        if k.ids.is_empty() || k.ids.len() < want {
             return None;
         }
-        let mine: Vec<i64> = ids.drain(..ids.len().min(want.max(SPARE_SHARE))).collect();
-        if ids.is_empty() {
-            *kept = None;
-        }
+        let mine: Vec<i64> = k.ids.drain(..want).collect();
+        k.handed = k.handed.max(mine.last().copied().unwrap_or(i64::MIN));
         Some(Candidates::of(mine, true))
     }
 
@@ -510,14 +534,14 @@ mod tests {
     }
 
     #[test]
-    fn spare_ids_are_the_runs_rest_shared_a_few_at_a_time_while_fresh() {
+    fn spare_ids_are_the_runs_rest_handed_out_once_while_fresh() {
         let spare = Spare::default();
-        spare.keep_after(&window((1..=10).collect()), 3);
+        spare.keep_after(&window((1..=6).collect()), 3);
         let first = spare.share(1).expect("kept");
         assert!(first.is_spare());
-        assert_eq!(first.run(), &[4, 5, 6, 7]);
-        assert_eq!(spare.share(1).expect("kept").run(), &[8, 9, 10]);
-        assert!(spare.share(1).is_none(), "all shared");
+        assert_eq!(first.run(), &[4]);
+        assert_eq!(spare.share(2).expect("kept").run(), &[5, 6]);
+        assert!(spare.share(1).is_none(), "all handed out");
         // The rest of spare ids is never kept again: only a window read is.
         spare.keep_after(&first, 4);
         assert!(spare.share(1).is_none());
@@ -533,14 +557,22 @@ mod tests {
         spare.keep_after(&window(vec![40, 41]), 40);
         spare.clear();
         assert!(spare.share(1).is_none());
+        // A window read at the same time as the last holds the ids handed out or taken since:
+        // they are not kept again.
+        spare.keep_after(&window((70..=80).collect()), 70);
+        assert_eq!(spare.share(3).expect("kept").run(), &[71, 72, 73]);
+        spare.keep_after(&window((70..=80).collect()), 71);
+        assert_eq!(spare.share(1).expect("kept").run(), &[74]);
+        spare.keep_after(&window((70..=80).collect()), 77);
+        assert_eq!(spare.share(1).expect("kept").run(), &[78]);
         // A claim of many rows gets as many ids as it wants, and none when fewer are kept.
+        spare.clear();
         spare.keep_after(&window((50..=60).collect()), 50);
         assert!(spare.share(11).is_none(), "only 10 kept");
         assert_eq!(
             spare.share(6).expect("kept").run(),
             &[51, 52, 53, 54, 55, 56]
         );
-        assert_eq!(spare.share(1).expect("kept").run(), &[57, 58, 59, 60]);
     }
 
     #[test]
