@@ -575,6 +575,37 @@ async fn lease_claims_keep_priority_order_when_ids_fall() {
     claims_keep_priority_order_when_ids_fall(ClaimMode::Lease).await;
 }
 
+/// A fixture of `mode` with 10 rows published (their ids) and the strategy the backend prepares
+/// for its table, to drive as the engine drives it.
+async fn prepared_with_rows(
+    mode: ClaimMode,
+) -> (Fx, Vec<i64>, broker_core::driver::Prepared<MySqlBackend>) {
+    use broker_core::Backend;
+    let fx = fixture(mode, |b| b).await;
+    let q = fx.queue().await;
+    let ids = fx.publish(&q, 10).await;
+    let described = std::sync::Arc::new(fx.table.clone());
+    let prepared = fx
+        .broker
+        .backend()
+        .prepare(&described)
+        .await
+        .expect("prepare");
+    (fx, ids, prepared)
+}
+
+/// The rows after `first` (the rest of the window a claim of `first` read), gone as if other
+/// claims took them, and a new row inserted by plain SQL.
+async fn take_the_rest_and_insert_one(fx: &Fx, first: i64) {
+    let table = fx.table.name();
+    for sql in [
+        format!("DELETE FROM `{table}` WHERE id > {first}"),
+        format!("INSERT INTO `{table}` (payload) VALUES ('late')"),
+    ] {
+        fx.broker.pool().execute(AssertSqlSafe(sql)).await.unwrap();
+    }
+}
+
 /// A row lock settlement that keeps its connection commits and begins without reading a window
 /// when the rest of a recent window is kept (`Spare`); the next claim locks among those ids. When
 /// other sessions have taken or removed every one of them meanwhile, that claim must read a
@@ -584,21 +615,10 @@ async fn lease_claims_keep_priority_order_when_ids_fall() {
 /// the ack keeping its connection, and a claim that must find the new row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending() {
-    use broker_core::Backend;
     use broker_core::driver::{Action, Prepared, RowLockStrategy, Settle, clock};
 
-    let fx = fixture(ClaimMode::RowLock, |b| b).await;
-    let q = fx.queue().await;
-    let ids = fx.publish(&q, 10).await;
-    let table = fx.table.name().to_owned();
-    let described = std::sync::Arc::new(fx.table.clone());
-    let Prepared::RowLock(rows) = fx
-        .broker
-        .backend()
-        .prepare(&described)
-        .await
-        .expect("prepare")
-    else {
+    let (fx, ids, prepared) = prepared_with_rows(ClaimMode::RowLock).await;
+    let Prepared::RowLock(rows) = prepared else {
         panic!("a row lock table prepares its row lock strategy")
     };
     let (tx, first) = rows
@@ -607,13 +627,7 @@ async fn a_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending(
         .expect("claim")
         .expect("a due row");
     assert_eq!(first.id, ids[0]);
-    // The rest of that window, gone (taken elsewhere); a new row, inserted from elsewhere.
-    for sql in [
-        format!("DELETE FROM `{table}` WHERE id > {}", ids[0]),
-        format!("INSERT INTO `{table}` (payload) VALUES ('late')"),
-    ] {
-        fx.broker.pool().execute(AssertSqlSafe(sql)).await.unwrap();
-    }
+    take_the_rest_and_insert_one(&fx, ids[0]).await;
     let ack = Settle {
         id: first.id,
         action: Action::Ack,
@@ -638,21 +652,10 @@ async fn a_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending(
 /// new row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lease_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_ending() {
-    use broker_core::Backend;
     use broker_core::driver::{LeaseStrategy, Prepared, clock};
 
-    let fx = fixture(ClaimMode::Lease, |b| b).await;
-    let q = fx.queue().await;
-    let ids = fx.publish(&q, 10).await;
-    let table = fx.table.name().to_owned();
-    let described = std::sync::Arc::new(fx.table.clone());
-    let Prepared::Lease(lease) = fx
-        .broker
-        .backend()
-        .prepare(&described)
-        .await
-        .expect("prepare")
-    else {
+    let (fx, ids, prepared) = prepared_with_rows(ClaimMode::Lease).await;
+    let Prepared::Lease(lease) = prepared else {
         panic!("a lease table prepares its lease strategy")
     };
     let claim = || async {
@@ -664,13 +667,7 @@ async fn a_lease_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_e
     };
     let first = claim().await;
     assert_eq!(first.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[0]]);
-    // The rest of that window, gone (taken elsewhere); a new row, inserted from elsewhere.
-    for sql in [
-        format!("DELETE FROM `{table}` WHERE id > {}", ids[0]),
-        format!("INSERT INTO `{table}` (payload) VALUES ('late')"),
-    ] {
-        fx.broker.pool().execute(AssertSqlSafe(sql)).await.unwrap();
-    }
+    take_the_rest_and_insert_one(&fx, ids[0]).await;
     let late = claim().await;
     assert_eq!(
         late.len(),
