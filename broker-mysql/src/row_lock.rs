@@ -29,7 +29,7 @@ use crate::sql::{
     RELEASE_WRITES, ROLLBACK_TO_WRITES, SettleStatements, Sql, Statements, Stmt, WRITES_SAVEPOINT,
     begin_sql, execute_plain, retrying, run_settle, settle_named,
 };
-use crate::window::{Candidates, PAGES, SPARE_TRIES, Spare, Window};
+use crate::window::{Candidates, PAGES, SPARE_TRIES, Spare, Window, commit_then};
 
 /// The row lock strategy of one MySQL / MariaDB table.
 #[derive(Debug)]
@@ -189,26 +189,15 @@ impl MySqlRowLock {
         let name = self.table.name();
         if let Some(window) = self.spare.share(1) {
             // The rest of a recent window serves the next claim: commit and begin, no read.
-            use futures_util::TryStreamExt;
-            let sql = format!("COMMIT; {}", self.begin);
-            let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(&mut *tx);
-            // The first result is the commit's: an error there is the settlement's.
-            let committed = results.try_next().await.map_err(self.err("commit"))?;
-            if committed.is_none() {
-                drop(results);
-                tx.close_on_drop();
-                return Err(self.err("commit")(sqlx::Error::Protocol(
-                    "no result for COMMIT".into(),
-                )));
-            }
-            let begun = async {
-                while results.try_next().await?.is_some() {}
-                Ok::<(), sqlx::Error>(())
-            }
-            .await;
-            drop(results);
+            let begun = match commit_then(&mut tx, &self.begin).await {
+                Ok(begun) => begun,
+                Err(e) => {
+                    tx.close_on_drop();
+                    return Err(self.err("commit")(e));
+                }
+            };
             match begun {
-                Ok(()) => self.warm.keep(Kept::Begun(tx, window)),
+                Ok(_) => self.warm.keep(Kept::Begun(tx, window)),
                 Err(e) => {
                     // The settlement committed; only the next claim's begin failed.
                     tracing::debug!(table = name, error = %e, "the begin after a commit failed; closing its connection");
@@ -218,11 +207,17 @@ impl MySqlRowLock {
             }
             return Ok(());
         }
-        let read = self
+        let read = match self
             .window
             .commit_and_read(&mut tx, broker_core::driver::clock::now_ms(), &self.begin)
             .await
-            .map_err(self.err("commit"))?;
+        {
+            Ok(read) => read,
+            Err(e) => {
+                tx.close_on_drop();
+                return Err(self.err("commit")(e));
+            }
+        };
         match read {
             Ok(window) if !window.is_empty() => self.warm.keep(Kept::Begun(tx, window)),
             Ok(_) => {

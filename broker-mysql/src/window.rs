@@ -342,32 +342,15 @@ impl Window {
         now_ms: i64,
         begin: &str,
     ) -> Result<Result<Candidates, sqlx::Error>, sqlx::Error> {
-        use futures_util::TryStreamExt;
         debug_assert!(self.cursor.is_none(), "FIFO windows walk with a cursor");
         let args = Args {
             now_ms,
             ..Args::default()
         };
-        let sql = format!("COMMIT; {DIRTY}{}; {begin}", self.read.inline(&args));
-        let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(conn);
-        // The first result is the commit's.
-        match results.try_next().await? {
-            Some(sqlx::Either::Left(_)) => {}
-            _ => return Err(sqlx::Error::Protocol("no result for COMMIT".into())),
-        }
-        let mut ids = Vec::new();
-        loop {
-            match results.try_next().await {
-                Ok(Some(sqlx::Either::Right(row))) => match row.try_get::<i64, _>(0) {
-                    Ok(id) => ids.push(id),
-                    Err(e) => return Ok(Err(e)),
-                },
-                Ok(Some(sqlx::Either::Left(_))) => {}
-                Ok(None) => break,
-                Err(e) => return Ok(Err(e)),
-            }
-        }
-        Ok(Ok(Candidates::of(ids, false)))
+        let then = format!("{DIRTY}{}; {begin}", self.read.inline(&args));
+        Ok(commit_then(conn, &then)
+            .await?
+            .map(|ids| Candidates::of(ids, false)))
     }
 
     /// Reads the window of `table`, outside any transaction. On an error the caller must not
@@ -475,6 +458,38 @@ impl Window {
             candidates: run,
             ..Args::default()
         })
+    }
+}
+
+/// Commits the transaction open on `conn` and runs `then` in the same round trip, reading the
+/// ids its statements return (none for a begin alone).
+///
+/// `Err`: the commit failed, and nothing after it ran. `Ok(Err)`: the commit landed and a later
+/// statement failed; the connection must not go back to the pool (a READ UNCOMMITTED setting
+/// may still be pending on it, and no transaction may be open).
+pub(crate) async fn commit_then(
+    conn: &mut MySqlConnection,
+    then: &str,
+) -> Result<Result<Vec<i64>, sqlx::Error>, sqlx::Error> {
+    use futures_util::TryStreamExt;
+    let sql = format!("COMMIT; {then}");
+    let mut results = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(conn);
+    // The first result is the commit's.
+    match results.try_next().await? {
+        Some(sqlx::Either::Left(_)) => {}
+        _ => return Err(sqlx::Error::Protocol("no result for COMMIT".into())),
+    }
+    let mut ids = Vec::new();
+    loop {
+        match results.try_next().await {
+            Ok(Some(sqlx::Either::Right(row))) => match row.try_get::<i64, _>(0) {
+                Ok(id) => ids.push(id),
+                Err(e) => return Ok(Err(e)),
+            },
+            Ok(Some(sqlx::Either::Left(_))) => {}
+            Ok(None) => return Ok(Ok(ids)),
+            Err(e) => return Ok(Err(e)),
+        }
     }
 }
 
