@@ -5,9 +5,9 @@
 //! locks, outside the transaction (see [`crate::window`]); on tables without FIFO groups the
 //! transaction's begin goes in the window read's round trip (so a claim costs the loop's round
 //! trips: begin and read, take, update, commit; a claim that finds the rest of a recent window
-//! kept, see [`crate::window::Spare`], begins and takes among those ids without reading one), and
-//! the claim runs its transaction with plain
-//! `COMMIT`/`ROLLBACK` statements, closing its connection on an error. The rows come back as the locking
+//! kept, see [`crate::window::Spare`], begins and takes among those ids without reading one),
+//! and the claim runs its transaction with plain `COMMIT`/`ROLLBACK` statements, closing its
+//! connection on an error. The rows come back as the locking
 //! read saw them, so their attempt is the one before the claim. Renewals and settlements are fenced on the token: `locked_until` and `attempt` must
 //! still be what this claim wrote.
 //!

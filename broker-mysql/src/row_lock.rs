@@ -147,16 +147,7 @@ impl MySqlRowLock {
                 .map_err(self.err("claim take"))?;
             self.window.claimed(&window, taken.iter());
             match taken {
-                Some(row) => {
-                    if self.chain {
-                        use sqlx::Row;
-                        let id = row
-                            .try_get::<i64, _>(broker_core::driver::alias::ID)
-                            .map_err(self.err("claim take"))?;
-                        self.spare.keep_after(&window, id);
-                    }
-                    return self.hold(tx, row).await;
-                }
+                Some(row) => return self.hold(tx, row, &window).await,
                 None if window.is_spare() => {
                     // Spare ids that a claim reading a window took: the next ones, in the same
                     // transaction, a few times; then a window.
@@ -234,14 +225,20 @@ impl MySqlRowLock {
         Ok(())
     }
 
-    /// Checks a locked row's group (FIFO) and hands the delivery out.
+    /// Keeps the rest of `window` (tables without FIFO groups), checks a locked row's group
+    /// (FIFO) and hands the delivery out.
     async fn hold(
         &self,
         mut tx: RowTransaction<MySql>,
         row: MySqlRow,
+        window: &Candidates,
     ) -> Result<Option<RowLockClaim<MySql>>> {
         let name = self.table.name();
         let row = claimed(&self.table, row, None)?;
+        if self.chain {
+            // The rest of the window, for the next claims (see `Spare`).
+            self.spare.keep_after(window, row.id);
+        }
         if let Some(guard) = &self.guard
             && fifo::check(&mut tx, guard, name, &row.row, row.id).await? == Guard::Behind
         {
