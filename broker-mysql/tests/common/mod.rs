@@ -139,6 +139,14 @@ fn registry() -> &'static Mutex<HashMap<usize, Ids>> {
     POOLS.get_or_init(Default::default)
 }
 
+/// When each test connection opened, by its server connection id, in microseconds since the
+/// epoch on the server's clock: a leak report compares it with the start of a transaction
+/// InnoDB lists for that session.
+fn connected_at() -> &'static Mutex<HashMap<u64, i64>> {
+    static AT: OnceLock<Mutex<HashMap<u64, i64>>> = OnceLock::new();
+    AT.get_or_init(Default::default)
+}
+
 fn pool_key(pool: &MySqlPool) -> usize {
     Arc::as_ptr(&pool.connect_options()) as usize
 }
@@ -168,10 +176,13 @@ pub(crate) async fn connect(url: &str) -> MySqlBroker {
         .after_connect(move |conn, _meta| {
             let record = record.clone();
             Box::pin(async move {
-                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-                    .fetch_one(&mut *conn)
-                    .await?;
+                let (id, at): (u64, i64) = sqlx::query_as(
+                    "SELECT CONNECTION_ID(), CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
                 record.lock().unwrap().insert(id);
+                connected_at().lock().unwrap().insert(id, at);
                 Ok(())
             })
         })
@@ -251,8 +262,9 @@ pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
 }
 
 /// An open transaction as [`open_transaction_details`] reads it: session, state, age (ms), rows
-/// locked, statement, the session's command, state and time in the process list, and what
-/// InnoDB says of the transaction (isolation, read only, autocommit non-locking, tables, locks).
+/// locked, statement, the session's command, state and time in the process list, what InnoDB
+/// says of the transaction (isolation, read only, autocommit non-locking, tables, locks), its id
+/// and when it began (microseconds since the epoch, server clock).
 type TrxRow = (
     u64,
     String,
@@ -263,27 +275,100 @@ type TrxRow = (
     Option<String>,
     Option<i64>,
     Option<String>,
+    String,
+    i64,
 );
 
+/// The transactions InnoDB lists now: per transaction the row [`TrxRow`] describes.
+async fn innodb_transactions(admin: &mut MySqlConnection) -> Vec<TrxRow> {
+    sqlx::query_as(
+        "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state, \
+         CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED), \
+         CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED), \
+         CONCAT('isolation ', t.trx_isolation_level, ', read only ', t.trx_is_read_only, \
+         ', autocommit non-locking ', t.trx_autocommit_non_locking, ', tables in use ', \
+         t.trx_tables_in_use, ', tables locked ', t.trx_tables_locked, ', lock structs ', \
+         t.trx_lock_structs, ', rows modified ', t.trx_rows_modified, ', operation ', \
+         IFNULL(t.trx_operation_state, '-')), CAST(t.trx_id AS CHAR), \
+         CAST(UNIX_TIMESTAMP(t.trx_started) * 1000000 AS SIGNED) \
+         FROM information_schema.INNODB_TRX AS t \
+         LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
+    )
+    .fetch_all(admin)
+    .await
+    .unwrap_or_default()
+}
+
+/// How many transactions InnoDB lists for the session of `conn`, read on that session. InnoDB
+/// refreshes the table's cache at most every 100 ms, so this waits that long first.
+async fn own_transactions(conn: &mut MySqlConnection) -> Option<i64> {
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query_scalar(
+        "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.INNODB_TRX \
+         WHERE trx_mysql_thread_id = CONNECTION_ID()",
+    )
+    .fetch_one(conn)
+    .await
+    .ok()
+}
+
 /// What the open transactions of the broker's sessions are doing: per transaction its session,
-/// state, age, rows locked, statement and InnoDB's view of it, and whether the session is still in the process list
-/// (and what it runs there). For a leak report that explains itself.
+/// state, age, rows locked, statement and InnoDB's view of it, when it began against when its
+/// session connected, and whether the session is still in the process list (and what it runs
+/// there); for each idle pooled session, what it says of its own transaction and whether a
+/// transaction InnoDB lists for it ends when the session reads an InnoDB table, then when it
+/// rolls back. For a leak report that explains itself.
 async fn open_transaction_details(broker: &MySqlBroker) -> String {
     let mut admin = admin().await;
     let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
-    let rows: Vec<TrxRow> =
-        sqlx::query_as(
-            "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state,              CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED),              CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED), \
-             CONCAT('isolation ', t.trx_isolation_level, ', read only ', t.trx_is_read_only, \
-             ', autocommit non-locking ', t.trx_autocommit_non_locking, ', tables in use ', \
-             t.trx_tables_in_use, ', tables locked ', t.trx_tables_locked, ', lock structs ', \
-             t.trx_lock_structs, ', rows modified ', t.trx_rows_modified, ', operation ', \
-             IFNULL(t.trx_operation_state, '-'))              FROM information_schema.INNODB_TRX AS t              LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
-        )
-        .fetch_all(&mut admin)
+    let rows = innodb_transactions(&mut admin).await;
+    let status: Option<(String, String, String)> = sqlx::query_as("SHOW ENGINE INNODB STATUS")
+        .fetch_optional(&mut admin)
         .await
-        .unwrap_or_default();
+        .unwrap_or(None);
     let _ = admin.close().await;
+    let connected = connected_at().lock().unwrap().clone();
+    let open: String = rows
+        .iter()
+        .filter(|r| mine.contains(&r.0))
+        .map(|(id, state, age_ms, locked, query, command, pstate, time, more, trx, began)| {
+            // INNODB_TRX gives the start to the second.
+            let since = match connected.get(id) {
+                Some(at) => format!(
+                    "began in second {}, its session connected at {}.{:06}",
+                    began / 1_000_000,
+                    at / 1_000_000,
+                    at % 1_000_000
+                ),
+                None => format!(
+                    "began in second {}, its session's connect time unknown",
+                    began / 1_000_000
+                ),
+            };
+            format!(
+                "\n  session {id}: trx {trx} {state} for {age_ms} ms ({since}), {locked} rows locked, statement {query:?} ({}); {}",
+                more.clone().unwrap_or_default(),
+                match command {
+                    Some(c) => format!("in the process list: {c} {pstate:?} for {time:?} s"),
+                    None => "not in the process list".to_owned(),
+                }
+            )
+        })
+        .collect();
+    // InnoDB's own account of those transactions (the monitor's block for each session).
+    let mut monitor = String::new();
+    if let Some((_, _, text)) = status {
+        for block in text.split("---TRANSACTION ").skip(1) {
+            let block = block.split("--------\n").next().unwrap_or(block);
+            if mine
+                .iter()
+                .any(|id| block.contains(&format!("thread id {id},")))
+            {
+                monitor.push_str("\n  monitor: ---TRANSACTION ");
+                monitor.push_str(&block.trim_end().replace('\n', "\n    "));
+            }
+        }
+    }
     // Which of them sit idle in the pool, and what each idle connection's session says of
     // its own transaction: an idle pooled session inside a transaction was given back
     // unfinished; an open transaction on no idle connection is on one held outside the pool.
@@ -304,28 +389,33 @@ async fn open_transaction_details(broker: &MySqlBroker) -> String {
         .fetch_optional(&mut **conn)
         .await
         .unwrap_or(None);
-        if let Some((id, in_trx, autocommit)) = state {
-            idle.push_str(&format!(
-                "\n  idle pooled session {id}: in_transaction {in_trx}, autocommit {autocommit}"
-            ));
+        let Some((id, in_trx, autocommit)) = state else {
+            continue;
+        };
+        idle.push_str(&format!(
+            "\n  idle pooled session {id}: in_transaction {in_trx}, autocommit {autocommit}"
+        ));
+        if !rows.iter().any(|r| r.0 == id) {
+            continue;
         }
+        // The session has a transaction InnoDB lists: does a read of an InnoDB table on it
+        // end it (a transaction InnoDB began but the server never registered), or only a
+        // rollback, or neither?
+        let before = own_transactions(conn).await;
+        let read = sqlx::query("SELECT 1 FROM mysql.innodb_table_stats LIMIT 1")
+            .fetch_optional(&mut **conn)
+            .await
+            .map(drop);
+        let after_read = own_transactions(conn).await;
+        let rollback = conn.execute("ROLLBACK").await.map(drop);
+        let after_rollback = own_transactions(conn).await;
+        idle.push_str(&format!(
+            "; its own view of INNODB_TRX: {before:?} transactions, {after_read:?} after an \
+             InnoDB read ({read:?}), {after_rollback:?} after ROLLBACK ({rollback:?})"
+        ));
     }
     drop(held);
-    let open: String = rows
-        .into_iter()
-        .filter(|r| mine.contains(&r.0))
-        .map(|(id, state, age_ms, locked, query, command, pstate, time, more)| {
-            format!(
-                "\n  session {id}: {state} for {age_ms} ms, {locked} rows locked, statement {query:?} ({}); {}",
-                more.unwrap_or_default(),
-                match command {
-                    Some(c) => format!("in the process list: {c} {pstate:?} for {time:?} s"),
-                    None => "not in the process list".to_owned(),
-                }
-            )
-        })
-        .collect();
-    format!("{open}{idle}")
+    format!("{open}{idle}{monitor}")
 }
 
 /// What the broker leaves behind: connections of its pool still in use, open transactions of
