@@ -1,10 +1,12 @@
 //! What only a MySQL-family server shows: user locks as the server sees them (`IS_USED_LOCK`),
-//! open transactions (`INNODB_TRX`), killed connections, lock names over 64 characters, time
-//! columns without fractions, publish ids without `RETURNING`, and the startup checks. Each test
-//! has a database, tables and brokers of its own (see `common`); every wait is bounded.
+//! open transactions (the InnoDB monitor), killed connections, lock names over 64 characters,
+//! time columns without fractions, publish ids without `RETURNING`, and the startup checks. Each
+//! test has a database, tables and brokers of its own (see `common`); every wait is bounded.
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use broker_core::{Broker, ClaimMode, ColumnType, NewJob, SqlxBrokerError, TableDescription};
@@ -677,4 +679,105 @@ async fn a_lease_claim_whose_kept_ids_were_all_taken_reads_a_window_instead_of_e
     assert!(late[0].id > ids[9], "the new row, not {}", late[0].id);
     drop(lease);
     fx.cleanup().await;
+}
+
+/// The leak probe reads open transactions live. InnoDB refreshes `INNODB_TRX` only once nobody
+/// has read it for 100 ms, so with another session polling it every 20 ms (as tests side by side
+/// do) a transaction that ended stays in that table; the probe must see it end (#35).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_that_ended_is_not_reported_open_while_innodb_trx_is_polled() {
+    let fx = fixture(ClaimMode::Lease, |b| b).await;
+    let q = fx.queue().await;
+    fx.publish(&q, 1).await;
+    let mut conn = fx.broker.pool().acquire().await.unwrap();
+    conn.execute("START TRANSACTION").await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM `{}` FOR UPDATE",
+        fx.table.name()
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(common::open_transactions(&fx.broker).await, 1);
+    // Another session reads INNODB_TRX every 20 ms from now on, so its cache keeps the
+    // transaction above.
+    let (committed, stop) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let poller = tokio::spawn({
+        let (url, committed, stop) = (fx.url.clone(), committed.clone(), stop.clone());
+        async move {
+            let mut other = sqlx::MySqlConnection::connect(&url).await.unwrap();
+            // What INNODB_TRX listed after the commit.
+            let mut after_commit = Vec::new();
+            // At least 10 reads after the commit, and on until the probe has seen it.
+            while after_commit.len() < 10 || !stop.load(Ordering::SeqCst) {
+                let before = committed.load(Ordering::SeqCst);
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.INNODB_TRX",
+                )
+                .fetch_one(&mut other)
+                .await
+                .unwrap();
+                if before {
+                    after_commit.push(n);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            after_commit
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    conn.execute("COMMIT").await.unwrap();
+    committed.store(true, Ordering::SeqCst);
+    drop(conn);
+    wait_until(
+        "the probe to see the transaction end",
+        Duration::from_secs(3),
+        || async { common::open_transactions(&fx.broker).await == 0 },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let after_commit = poller.await.unwrap();
+    // The case shows something only where the cache held the ended transaction meanwhile.
+    assert!(
+        after_commit.first().is_some_and(|n| *n > 0),
+        "INNODB_TRX, polled every 20 ms, listed the ended transaction after its commit: \
+         {after_commit:?}"
+    );
+    assert!(common::leaks(&fx.broker).await.is_empty());
+    fx.cleanup().await;
+}
+
+/// The monitor's transaction list: only `ACTIVE` transactions count, with the session of their
+/// `thread id` line, as MariaDB and MySQL print them.
+#[test]
+fn the_monitor_lists_active_transactions_with_their_sessions() {
+    let monitor = "\
+------------
+TRANSACTIONS
+------------
+Trx id counter 1261269
+History list length 0
+LIST OF TRANSACTIONS FOR EACH SESSION:
+---TRANSACTION 421587029063000, not started
+0 lock struct(s), heap size 1128, 0 row lock(s)
+---TRANSACTION 1146538, ACTIVE 6 sec
+2 lock struct(s), heap size 1128, 4 row lock(s)
+MariaDB thread id 46017, OS thread handle 139670659847872, query id 30 127.0.0.1 root
+---TRANSACTION 1146539, ACTIVE 2 sec fetching rows
+mysql tables in use 1, locked 1
+MySQL thread id 12, OS thread handle 1396, query id 31 localhost root executing
+SELECT 1
+--------
+FILE I/O
+--------
+---TRANSACTION 9, ACTIVE 1 sec
+MariaDB thread id 99, OS thread handle 1, query id 1
+";
+    let open = common::active_transactions(monitor);
+    let ids: Vec<u64> = open.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids, [46017, 12], "{open:?}");
+    assert!(open[0].1.contains("4 row lock(s)"));
 }

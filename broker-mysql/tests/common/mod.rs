@@ -139,14 +139,6 @@ fn registry() -> &'static Mutex<HashMap<usize, Ids>> {
     POOLS.get_or_init(Default::default)
 }
 
-/// When each test connection opened, by its server connection id, in microseconds since the
-/// epoch on the server's clock: a leak report compares it with the start of a transaction
-/// InnoDB lists for that session.
-fn connected_at() -> &'static Mutex<HashMap<u64, i64>> {
-    static AT: OnceLock<Mutex<HashMap<u64, i64>>> = OnceLock::new();
-    AT.get_or_init(Default::default)
-}
-
 fn pool_key(pool: &MySqlPool) -> usize {
     Arc::as_ptr(&pool.connect_options()) as usize
 }
@@ -176,13 +168,10 @@ pub(crate) async fn connect(url: &str) -> MySqlBroker {
         .after_connect(move |conn, _meta| {
             let record = record.clone();
             Box::pin(async move {
-                let (id, at): (u64, i64) = sqlx::query_as(
-                    "SELECT CONNECTION_ID(), CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
+                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                    .fetch_one(&mut *conn)
+                    .await?;
                 record.lock().unwrap().insert(id);
-                connected_at().lock().unwrap().insert(id, at);
                 Ok(())
             })
         })
@@ -247,128 +236,92 @@ pub(crate) async fn kill_connections(broker: &MySqlBroker) -> usize {
     killed.len()
 }
 
+/// The transactions InnoDB has open now, as its monitor (`SHOW ENGINE INNODB STATUS`) lists
+/// them: per transaction the session it runs on and the monitor's lines for it.
+///
+/// Not `information_schema.INNODB_TRX`: InnoDB fills that table from a cache it refreshes only
+/// once nobody has read the table for 100 ms, so a probe polling it every 50 ms (or several
+/// tests polling side by side) keeps reading the transactions of the first read long after
+/// they ended. That is how an idle session that said it was in no transaction came to be
+/// reported with one for seconds (#35). The monitor reads the transaction list each time.
+async fn innodb_transactions(admin: &mut MySqlConnection) -> Vec<(u64, String)> {
+    let status: (String, String, String) = sqlx::query_as("SHOW ENGINE INNODB STATUS")
+        .fetch_one(admin)
+        .await
+        .expect("SHOW ENGINE INNODB STATUS");
+    active_transactions(&status.2)
+}
+
+/// The open transactions in the text of an InnoDB monitor: each `---TRANSACTION` block that is
+/// `ACTIVE` (MySQL also lists sessions' transactions that are `not started`), with the session
+/// its `thread id` line names.
+pub(crate) fn active_transactions(monitor: &str) -> Vec<(u64, String)> {
+    let Some(list) = monitor
+        .split("LIST OF TRANSACTIONS FOR EACH SESSION:")
+        .nth(1)
+    else {
+        return Vec::new();
+    };
+    // The list ends at the next section's rule.
+    let list = list.split("\n--------\n").next().unwrap_or(list);
+    list.split("---TRANSACTION ")
+        .skip(1)
+        .filter(|block| block.lines().next().is_some_and(|l| l.contains("ACTIVE")))
+        .filter_map(|block| {
+            let (_, rest) = block.split_once("thread id ")?;
+            let id = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()?;
+            Some((id, block.trim_end().to_owned()))
+        })
+        .collect()
+}
+
 /// Open transactions of the broker's connections.
 pub(crate) async fn open_transactions(broker: &MySqlBroker) -> usize {
+    open_transactions_of(broker).await.len()
+}
+
+/// The open transactions of the broker's connections: session and the monitor's lines.
+async fn open_transactions_of(broker: &MySqlBroker) -> Vec<(u64, String)> {
     let mut admin = admin().await;
     let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
-    let open: Vec<u64> = sqlx::query_scalar(
-        "SELECT CAST(trx_mysql_thread_id AS UNSIGNED) FROM information_schema.INNODB_TRX",
-    )
-    .fetch_all(&mut admin)
-    .await
-    .expect("read INNODB_TRX");
+    let open = innodb_transactions(&mut admin).await;
     let _ = admin.close().await;
-    open.into_iter().filter(|id| mine.contains(id)).count()
+    open.into_iter()
+        .filter(|(id, _)| mine.contains(id))
+        .collect()
 }
 
-/// An open transaction as [`open_transaction_details`] reads it: session, state, age (ms), rows
-/// locked, statement, the session's command, state and time in the process list, what InnoDB
-/// says of the transaction (isolation, read only, autocommit non-locking, tables, locks), its id
-/// and when it began (microseconds since the epoch, server clock).
-type TrxRow = (
-    u64,
-    String,
-    i64,
-    i64,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    String,
-    i64,
-);
-
-/// The transactions InnoDB lists now: per transaction the row [`TrxRow`] describes.
-async fn innodb_transactions(admin: &mut MySqlConnection) -> Vec<TrxRow> {
-    sqlx::query_as(
-        "SELECT CAST(t.trx_mysql_thread_id AS UNSIGNED), t.trx_state, \
-         CAST(TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1000 AS SIGNED), \
-         CAST(t.trx_rows_locked AS SIGNED), t.trx_query, p.COMMAND, p.STATE, CAST(p.TIME AS SIGNED), \
-         CONCAT('isolation ', t.trx_isolation_level, ', read only ', t.trx_is_read_only, \
-         ', autocommit non-locking ', t.trx_autocommit_non_locking, ', tables in use ', \
-         t.trx_tables_in_use, ', tables locked ', t.trx_tables_locked, ', lock structs ', \
-         t.trx_lock_structs, ', rows modified ', t.trx_rows_modified, ', operation ', \
-         IFNULL(t.trx_operation_state, '-')), CAST(t.trx_id AS CHAR), \
-         CAST(UNIX_TIMESTAMP(t.trx_started) * 1000000 AS SIGNED) \
-         FROM information_schema.INNODB_TRX AS t \
-         LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id",
-    )
-    .fetch_all(admin)
-    .await
-    .unwrap_or_default()
-}
-
-/// How many transactions InnoDB lists for the session of `conn`, read on that session. InnoDB
-/// refreshes the table's cache at most every 100 ms, so this waits that long first.
-async fn own_transactions(conn: &mut MySqlConnection) -> Option<i64> {
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    sqlx::query_scalar(
-        "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.INNODB_TRX \
-         WHERE trx_mysql_thread_id = CONNECTION_ID()",
-    )
-    .fetch_one(conn)
-    .await
-    .ok()
-}
-
-/// What the open transactions of the broker's sessions are doing: per transaction its session,
-/// state, age, rows locked, statement and InnoDB's view of it, when it began against when its
-/// session connected, and whether the session is still in the process list (and what it runs
-/// there); for each idle pooled session, what it says of its own transaction and whether a
-/// transaction InnoDB lists for it ends when the session reads an InnoDB table, then when it
-/// rolls back. For a leak report that explains itself.
+/// What the open transactions of the broker's sessions are doing: the monitor's lines for each
+/// (state, age, locks, the session and its statement), whether the session is still in the
+/// process list (and what it runs there), and what each idle pooled session says of its own
+/// transaction. For a leak report that explains itself.
 async fn open_transaction_details(broker: &MySqlBroker) -> String {
+    let open = open_transactions_of(broker).await;
     let mut admin = admin().await;
-    let mine: HashSet<u64> = connection_ids(broker.pool()).into_iter().collect();
-    let rows = innodb_transactions(&mut admin).await;
-    let status: Option<(String, String, String)> = sqlx::query_as("SHOW ENGINE INNODB STATUS")
+    let mut out = String::new();
+    for (id, lines) in &open {
+        let process: Option<(String, Option<String>, i64)> = sqlx::query_as(
+            "SELECT COMMAND, STATE, CAST(TIME AS SIGNED) FROM information_schema.PROCESSLIST \
+             WHERE ID = ?",
+        )
+        .bind(id)
         .fetch_optional(&mut admin)
         .await
         .unwrap_or(None);
-    let _ = admin.close().await;
-    let connected = connected_at().lock().unwrap().clone();
-    let open: String = rows
-        .iter()
-        .filter(|r| mine.contains(&r.0))
-        .map(|(id, state, age_ms, locked, query, command, pstate, time, more, trx, began)| {
-            // INNODB_TRX gives the start to the second.
-            let since = match connected.get(id) {
-                Some(at) => format!(
-                    "began in second {}, its session connected at {}.{:06}",
-                    began / 1_000_000,
-                    at / 1_000_000,
-                    at % 1_000_000
-                ),
-                None => format!(
-                    "began in second {}, its session's connect time unknown",
-                    began / 1_000_000
-                ),
-            };
-            format!(
-                "\n  session {id}: trx {trx} {state} for {age_ms} ms ({since}), {locked} rows locked, statement {query:?} ({}); {}",
-                more.clone().unwrap_or_default(),
-                match command {
-                    Some(c) => format!("in the process list: {c} {pstate:?} for {time:?} s"),
-                    None => "not in the process list".to_owned(),
-                }
-            )
-        })
-        .collect();
-    // InnoDB's own account of those transactions (the monitor's block for each session).
-    let mut monitor = String::new();
-    if let Some((_, _, text)) = status {
-        for block in text.split("---TRANSACTION ").skip(1) {
-            let block = block.split("--------\n").next().unwrap_or(block);
-            if mine
-                .iter()
-                .any(|id| block.contains(&format!("thread id {id},")))
-            {
-                monitor.push_str("\n  monitor: ---TRANSACTION ");
-                monitor.push_str(&block.trim_end().replace('\n', "\n    "));
-            }
-        }
+        let process = match process {
+            Some((c, state, time)) => format!("in the process list: {c} {state:?} for {time} s"),
+            None => "not in the process list".to_owned(),
+        };
+        out.push_str(&format!(
+            "\n  session {id} ({process}): ---TRANSACTION {}",
+            lines.replace('\n', "\n    ")
+        ));
     }
+    let _ = admin.close().await;
     // Which of them sit idle in the pool, and what each idle connection's session says of
     // its own transaction: an idle pooled session inside a transaction was given back
     // unfinished; an open transaction on no idle connection is on one held outside the pool.
@@ -380,7 +333,6 @@ async fn open_transaction_details(broker: &MySqlBroker) -> String {
             _ => break,
         }
     }
-    let mut idle = String::new();
     for conn in &mut held {
         let state: Option<(u64, i64, i64)> = sqlx::query_as(
             "SELECT CAST(CONNECTION_ID() AS UNSIGNED), CAST(@@in_transaction AS SIGNED), \
@@ -389,33 +341,13 @@ async fn open_transaction_details(broker: &MySqlBroker) -> String {
         .fetch_optional(&mut **conn)
         .await
         .unwrap_or(None);
-        let Some((id, in_trx, autocommit)) = state else {
-            continue;
-        };
-        idle.push_str(&format!(
-            "\n  idle pooled session {id}: in_transaction {in_trx}, autocommit {autocommit}"
-        ));
-        if !rows.iter().any(|r| r.0 == id) {
-            continue;
+        if let Some((id, in_trx, autocommit)) = state {
+            out.push_str(&format!(
+                "\n  idle pooled session {id}: in_transaction {in_trx}, autocommit {autocommit}"
+            ));
         }
-        // The session has a transaction InnoDB lists: does a read of an InnoDB table on it
-        // end it (a transaction InnoDB began but the server never registered), or only a
-        // rollback, or neither?
-        let before = own_transactions(conn).await;
-        let read = sqlx::query("SELECT 1 FROM mysql.innodb_table_stats LIMIT 1")
-            .fetch_optional(&mut **conn)
-            .await
-            .map(drop);
-        let after_read = own_transactions(conn).await;
-        let rollback = conn.execute("ROLLBACK").await.map(drop);
-        let after_rollback = own_transactions(conn).await;
-        idle.push_str(&format!(
-            "; its own view of INNODB_TRX: {before:?} transactions, {after_read:?} after an \
-             InnoDB read ({read:?}), {after_rollback:?} after ROLLBACK ({rollback:?})"
-        ));
     }
-    drop(held);
-    format!("{open}{idle}{monitor}")
+    out
 }
 
 /// What the broker leaves behind: connections of its pool still in use, open transactions of
