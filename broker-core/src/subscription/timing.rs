@@ -41,10 +41,12 @@ pub(super) const SPREAD: f64 = 0.1;
 /// at random per wait: 0 gives the shortest wait, 0.5 the wait itself). Subscriptions started
 /// together (or drained together) would otherwise look at the same moments forever and take
 /// connections out of a shared pool in bursts; spread, they drift apart, and an idle one still
-/// looks once per poll interval on average.
+/// looks once per poll interval on average. A wait that the spread would take past
+/// `Duration::MAX` (a poll interval of `Duration::MAX` is valid) is `Duration::MAX`.
 pub(super) fn spread(wait: Duration, unit: f64) -> Duration {
     let unit = unit.clamp(0.0, 1.0);
-    wait.mul_f64(1.0 - SPREAD + 2.0 * SPREAD * unit)
+    Duration::try_from_secs_f64(wait.as_secs_f64() * (1.0 - SPREAD + 2.0 * SPREAD * unit))
+        .unwrap_or(Duration::MAX)
 }
 
 #[cfg(test)]
@@ -105,5 +107,18 @@ mod tests {
             "a unit out of range is clamped"
         );
         assert_eq!(spread(Duration::ZERO, 0.3), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_wait_near_duration_max_spreads_without_overflowing() {
+        // `poll_interval(Duration::MAX)` is a valid option: the claim loop spreads that wait
+        // each time it goes idle, and half the draws lengthen it.
+        assert_eq!(spread(Duration::MAX, 1.0), Duration::MAX);
+        assert_eq!(spread(Duration::MAX, 0.5), Duration::MAX);
+        let short = spread(Duration::MAX, 0.0);
+        assert!(
+            short < Duration::MAX && short > Duration::MAX / 10 * 8,
+            "{short:?}"
+        );
     }
 }

@@ -368,12 +368,18 @@ pub async fn option_values_the_engine_cannot_run_with_are_refused<D: TestDb>() {
             |_job| async { Outcome::Ack },
         )
         .expect("extreme valid options");
-    let id = publish_own_keys(&fx, &q, 1).await[0];
-    wait_until("the row to be acked", Duration::from_secs(10), || {
-        let q = q.clone();
-        async move { q.row_state(id).await.ok().flatten().is_none() }
-    })
-    .await;
+    // Each row wakes the idle loop, which claims it, finds nothing more and goes idle again
+    // for the poll interval spread by a random draw: eight rows one after another make eight
+    // such draws, so a spread that overflows near `Duration::MAX` (half the draws lengthen
+    // the wait) stops the loop before the last row with all but certainty.
+    for _ in 0..8 {
+        let id = publish_own_keys(&fx, &q, 1).await[0];
+        wait_until("the row to be acked", Duration::from_secs(10), || {
+            let q = q.clone();
+            async move { q.row_state(id).await.ok().flatten().is_none() }
+        })
+        .await;
+    }
     sub.shutdown().await;
     fx.cleanup().await;
 }
