@@ -82,11 +82,18 @@ impl History {
         group: Option<String>,
         lease_expires_ms: Option<i64>,
     ) -> usize {
+        let subscription = Self::subscription_name(broker);
+        let claims = crate::engine_events::claims(&self.table, &subscription, id, attempt);
+        // The start is read under the records' lock, so a fault marked meanwhile (`mark`, which
+        // holds the lock) either sees this record or was over before it began. Read outside
+        // the lock, a thread descheduled between the read and the push (a loaded machine)
+        // recorded a start before a connection kill whose marking had not seen the record, and
+        // a handler the kill had cut was checked as uncut.
+        let mut records = self.lock();
         let at = self.now();
         // The latest claim that returned this attempt of the row (row lock may claim one
         // attempt again after a rollback).
-        let subscription = Self::subscription_name(broker);
-        let claim = crate::engine_events::claims(&self.table, &subscription, id, attempt)
+        let claim = claims
             .into_iter()
             .map(|(began, returned)| Claim {
                 began: self.at_unix_micros(began),
@@ -94,8 +101,17 @@ impl History {
             })
             .filter(|c| c.returned <= at)
             .max_by_key(|c| c.returned);
-        let index = self.start_at(at, broker, id, attempt, key, group, lease_expires_ms);
-        self.lock()[index].claim = claim;
+        let index = self.push_start(
+            &mut records,
+            at,
+            broker,
+            id,
+            attempt,
+            key,
+            group,
+            lease_expires_ms,
+        );
+        records[index].claim = claim;
         index
     }
 
@@ -111,8 +127,33 @@ impl History {
         group: Option<String>,
         lease_expires_ms: Option<i64>,
     ) -> usize {
-        let lease_until = lease_expires_ms.map(|ms| self.at_unix_micros(ms.saturating_mul(1000)));
         let mut records = self.lock();
+        self.push_start(
+            &mut records,
+            at,
+            broker,
+            id,
+            attempt,
+            key,
+            group,
+            lease_expires_ms,
+        )
+    }
+
+    /// Pushes a handler's start at `at` onto `records` (held locked); returns its index.
+    #[allow(clippy::too_many_arguments)]
+    fn push_start(
+        &self,
+        records: &mut Vec<Record>,
+        at: Duration,
+        broker: usize,
+        id: i64,
+        attempt: i64,
+        key: Option<String>,
+        group: Option<String>,
+        lease_expires_ms: Option<i64>,
+    ) -> usize {
+        let lease_until = lease_expires_ms.map(|ms| self.at_unix_micros(ms.saturating_mul(1000)));
         records.push(Record {
             broker,
             id,

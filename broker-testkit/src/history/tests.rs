@@ -930,3 +930,44 @@ fn a_row_whose_last_attempts_lost_claims_counted_may_end_dead_without_a_delivery
     lost(&h, 1, 2);
     found_alone(&h, &unordered(ClaimMode::Lease, dead), "SettlementLost");
 }
+
+/// A connection kill marked while handlers start on other threads: every handler whose start
+/// came before the kill's end is marked (never a start recorded before the kill that the
+/// marking did not see). Eight threads start 2,000 handlers each on two cores, so some are
+/// descheduled inside `start`.
+#[test]
+fn a_kill_marks_every_handler_that_started_before_it_ended() {
+    use std::sync::Arc;
+    let h = Arc::new(History::new(&crate::unique_name("unit")));
+    let starters: Vec<_> = (0..8)
+        .map(|t| {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                for i in 0..2_000 {
+                    h.start(0, t * 10_000 + i, 1, None, None, None);
+                }
+            })
+        })
+        .collect();
+    let mut missed = Vec::new();
+    while !starters.iter().all(|s| s.is_finished()) {
+        let from = h.now();
+        h.connections_killed(0, from, h.now());
+        // Every uncut record that started by the kill's start is one the marking did not see.
+        missed.extend(
+            h.lock()
+                .iter()
+                .filter(|r| r.start <= from && r.cut.is_none())
+                .map(|r| (r.id, r.start, from)),
+        );
+    }
+    for s in starters {
+        s.join().unwrap();
+    }
+    assert!(
+        missed.is_empty(),
+        "{} handlers started before a kill but were not marked, e.g. {:?}",
+        missed.len(),
+        &missed[..missed.len().min(3)]
+    );
+}
