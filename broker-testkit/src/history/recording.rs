@@ -101,16 +101,8 @@ impl History {
             })
             .filter(|c| c.returned <= at)
             .max_by_key(|c| c.returned);
-        let index = self.push_start(
-            &mut records,
-            at,
-            broker,
-            id,
-            attempt,
-            key,
-            group,
-            lease_expires_ms,
-        );
+        let who = (broker, id, attempt, key, group, lease_expires_ms);
+        let index = self.push_start(&mut records, at, who);
         records[index].claim = claim;
         index
     }
@@ -127,32 +119,15 @@ impl History {
         group: Option<String>,
         lease_expires_ms: Option<i64>,
     ) -> usize {
-        let mut records = self.lock();
-        self.push_start(
-            &mut records,
-            at,
-            broker,
-            id,
-            attempt,
-            key,
-            group,
-            lease_expires_ms,
-        )
+        let who = (broker, id, attempt, key, group, lease_expires_ms);
+        self.push_start(&mut self.lock(), at, who)
     }
 
-    /// Pushes a handler's start at `at` onto `records` (held locked); returns its index.
-    #[allow(clippy::too_many_arguments)]
-    fn push_start(
-        &self,
-        records: &mut Vec<Record>,
-        at: Duration,
-        broker: usize,
-        id: i64,
-        attempt: i64,
-        key: Option<String>,
-        group: Option<String>,
-        lease_expires_ms: Option<i64>,
-    ) -> usize {
+    /// Pushes a handler's start at `at` onto `records` (held locked): who ran it (broker, row
+    /// id, attempt, key, group, lease expiry in unix ms, as [`start`](Self::start) takes them).
+    /// Returns the record's index.
+    fn push_start(&self, records: &mut Vec<Record>, at: Duration, who: Started) -> usize {
+        let (broker, id, attempt, key, group, lease_expires_ms) = who;
         let lease_until = lease_expires_ms.map(|ms| self.at_unix_micros(ms.saturating_mul(1000)));
         records.push(Record {
             broker,
@@ -287,6 +262,10 @@ impl History {
             .count()
     }
 }
+
+/// Who ran a delivery, as [`History::start`] takes it: broker, row id, attempt, key, group and
+/// lease expiry (unix ms).
+type Started = (usize, i64, i64, Option<String>, Option<String>, Option<i64>);
 
 pub(super) fn last_per_row(records: &[Record]) -> HashMap<i64, &Record> {
     let mut last: HashMap<i64, &Record> = HashMap::new();
