@@ -195,8 +195,8 @@ const HELD: &str = "a guarded connection is held until it is finished or taken";
 
 impl Conn {
     pub(crate) async fn acquire(pool: &MySqlPool, table: &str) -> Result<Self> {
-        let conn = pool
-            .acquire()
+        // Inside a fenced settlement, waited for only until its deadline.
+        let conn = broker_core::driver::retry::acquire(pool)
             .await
             .map_err(|e| SqlxBrokerError::statement(table, "acquire", e))?;
         Ok(Self::guard(conn))

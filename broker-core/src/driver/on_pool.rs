@@ -26,7 +26,8 @@ pub async fn on_pool<DB: Database, T>(
     prepared: bool,
     f: impl for<'c> FnOnce(&'c mut DB::Connection) -> ConnFuture<'c, T>,
 ) -> Result<T, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
+    // Inside a fenced settlement, waited for only until its deadline (see `retry::acquire`).
+    let mut conn = super::retry::acquire(pool).await?;
     if prepared {
         return f(&mut conn).await;
     }

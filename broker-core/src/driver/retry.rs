@@ -89,12 +89,62 @@ where
     }
 }
 
+/// Acquires a pool connection for a statement, bounded by the deadline of the fenced
+/// settlement it runs in (see [`fenced`]): past it the wait gives up with
+/// [`sqlx::Error::PoolTimedOut`], which every backend's `classify` reads as a lost connection.
+/// Outside a fenced settlement it is the pool's own acquire. Only the wait for a connection is
+/// bounded, never a statement in flight: a statement that a loaded server answers slowly still
+/// lands (and its fence decides), while a server that went away, which sqlx keeps reconnecting
+/// to until the pool's acquire timeout (30 s by default), no longer holds the settlement that
+/// long past its lease.
+///
+/// # Errors
+/// The pool's error, or `PoolTimedOut` at the deadline.
+pub async fn acquire<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+) -> Result<sqlx::pool::PoolConnection<DB>, sqlx::Error> {
+    by_deadline(pool.acquire()).await
+}
+
+/// `acquiring` (a wait for a connection) bounded as [`acquire`] bounds it.
+async fn by_deadline<T>(
+    acquiring: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    let deadline = ACQUIRE_DEADLINE
+        .try_with(std::cell::Cell::get)
+        .ok()
+        .flatten();
+    let Some(deadline_ms) = deadline else {
+        return acquiring.await;
+    };
+    let left = deadline_ms
+        .saturating_sub(clock::now_ms())
+        .max(0)
+        .unsigned_abs();
+    match tokio::time::timeout(Duration::from_millis(left), acquiring).await {
+        Ok(acquired) => acquired,
+        Err(_) => {
+            tracing::debug!(
+                "no connection before the settlement's deadline (the server may be gone); giving up"
+            );
+            Err(sqlx::Error::PoolTimedOut)
+        }
+    }
+}
+
 /// Runs a fenced settlement or renewal `work` under [`transient`], and again on a fresh
 /// connection after a lost one (an [`ErrorClass::Connection`] error), with a pause from
 /// [`FIRST_CONNECTION_BACKOFF`] doubling to [`MAX_CONNECTION_BACKOFF`], while the host's clock
 /// is before `deadline_ms` (a lease's expiry less a margin: past it another claim may hold the
 /// row; `i64::MAX` where nothing else can take it). A pause that would end past the deadline
 /// is cut short, so the last try runs at the deadline.
+///
+/// Each try waits for a pool connection ([`acquire`]) only until the deadline, and at least
+/// [`LEASE_MARGIN_MS`] (so the last try, at the deadline, or one of a settlement begun past
+/// it, still has time to find one on a server that answers): a server that went away would
+/// otherwise keep each try waiting for the pool's acquire timeout (30 s by default, as sqlx
+/// keeps reconnecting to a refused port), carrying the settlement that far past its lease. A
+/// statement in flight is never cut.
 ///
 /// A try whose connection was lost may have landed; the fence makes the next try change
 /// nothing then. So a server restart or a killed session costs a settlement some waiting, not a
@@ -111,7 +161,17 @@ where
 {
     let mut backoff = FIRST_CONNECTION_BACKOFF;
     loop {
-        match transient(&class, &mut work).await {
+        // Each try may wait for a connection until the deadline, and at least the lease
+        // margin (see `acquire`).
+        let now = clock::now_ms();
+        let acquire_by = deadline_ms.max(now.saturating_add(LEASE_MARGIN_MS));
+        let tried = ACQUIRE_DEADLINE
+            .scope(
+                std::cell::Cell::new(Some(acquire_by)),
+                transient(&class, &mut work),
+            )
+            .await;
+        match tried {
             Ok(_) if take_lost_reply() => {
                 // A test's stand-in for a reply lost after the statement landed: run it again,
                 // as after a lost connection.
@@ -139,7 +199,19 @@ where
     }
 }
 
+/// Runs `f` with the connections it acquires through [`acquire`] waited for only until
+/// `deadline_ms` (unix ms, at least [`LEASE_MARGIN_MS`] from now): what [`fenced`] does for each
+/// try, for a statement that runs once outside it (the engine's shared ack statement).
+pub(crate) async fn acquiring_by<F: Future>(deadline_ms: i64, f: F) -> F::Output {
+    let by = deadline_ms.max(clock::now_ms().saturating_add(LEASE_MARGIN_MS));
+    ACQUIRE_DEADLINE
+        .scope(std::cell::Cell::new(Some(by)), f)
+        .await
+}
+
 tokio::task_local! {
+    /// Set by [`fenced`] (and [`acquiring_by`]): until when [`acquire`] waits for a connection.
+    static ACQUIRE_DEADLINE: std::cell::Cell<Option<i64>>;
     /// Set by [`watching_lost_connections`]: whether a fenced statement inside ran again after
     /// a lost connection.
     static LOST_CONNECTION: std::cell::Cell<bool>;
@@ -246,5 +318,45 @@ mod tests {
         // the host's clock stays before the deadline here.)
         let deadline = clock::now_ms() + 1_000;
         assert_eq!(run(&["gone"; 6], Some(deadline)).await, (Ok(()), 7));
+    }
+
+    /// A wait for a connection to a server that went away: sqlx keeps reconnecting until the
+    /// pool's acquire timeout.
+    async fn connection_of_a_gone_server() -> Result<(), sqlx::Error> {
+        std::future::pending().await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_settlement_waits_for_a_connection_only_until_its_deadline() {
+        let tries = AtomicU32::new(0);
+        let work = || {
+            tries.fetch_add(1, Ordering::SeqCst);
+            async {
+                by_deadline(connection_of_a_gone_server())
+                    .await
+                    .map_err(|e| match e {
+                        sqlx::Error::PoolTimedOut => "gone",
+                        _ => "other",
+                    })
+            }
+        };
+        // Paused time: an hour passes at once if nothing bounds the wait. (The host's clock,
+        // which the deadline is on, moves on in real time meanwhile; the retries between tries
+        // take paused time.)
+        let deadline = clock::now_ms() + 200;
+        let out =
+            tokio::time::timeout(Duration::from_secs(3600), fenced(by_name, deadline, work)).await;
+        assert_eq!(out, Ok(Err("gone")), "the wait must end at the deadline");
+        assert!(tries.load(Ordering::SeqCst) >= 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn outside_a_settlement_the_pools_own_wait_applies() {
+        let waited = tokio::time::timeout(
+            Duration::from_secs(3600),
+            by_deadline(connection_of_a_gone_server()),
+        )
+        .await;
+        assert!(waited.is_err(), "{waited:?}");
     }
 }

@@ -229,14 +229,15 @@ impl<C> WarmConnections<C> {
 }
 
 impl<DB: Database> WarmConnections<PoolConnection<DB>> {
-    /// The connection kept last, or one from `pool`.
+    /// The connection kept last, or one from `pool` (waited for only until a fenced
+    /// settlement's deadline, inside one: see [`retry::acquire`](super::retry::acquire)).
     ///
     /// # Errors
     /// The pool's acquire failed.
     pub async fn acquire(&self, pool: &Pool<DB>) -> Result<PoolConnection<DB>, sqlx::Error> {
         match self.take() {
             Some(conn) => Ok(conn),
-            None => pool.acquire().await,
+            None => super::retry::acquire(pool).await,
         }
     }
 }

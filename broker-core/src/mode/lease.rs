@@ -214,7 +214,15 @@ impl AckBatch {
             .unwrap_or_default();
         let batched = batch.len() > 1;
         let mut may_have_landed = false;
-        let acked = match strategy.ack_many(&acks, now_ms).await {
+        // One try, waiting for a connection only until the earliest deadline of its acks, as a
+        // fenced settlement does (see `retry::acquire`): the rows it could not ack go on alone.
+        let deadline_ms = acks
+            .iter()
+            .map(|(_, t)| t.expires_ms - retry::LEASE_MARGIN_MS)
+            .min()
+            .unwrap_or(i64::MAX);
+        let tried = retry::acquiring_by(deadline_ms, strategy.ack_many(&acks, now_ms)).await;
+        let acked = match tried {
             Ok(Some(_)) if retry::take_lost_reply() => {
                 tracing::debug!(
                     "an ack statement's reply was dropped on a test's request; acking its rows one by one"
@@ -451,14 +459,9 @@ impl<B: Backend> LeaseHold<B> {
                 self.shared.settle_failed(settle.id, &e);
                 // The row still holds this lease: give it back now, as a dropped delivery's
                 // is, instead of leaving it until the lease runs out (its next delivery backs
-                // off). A release that fails too leaves the lease to run out.
-                if let Err(r) = self
-                    .strategy
-                    .settle(token, self.cell.release(self.id))
-                    .await
-                {
-                    tracing::warn!(table = self.shared.name(), id = self.id, error = %r, "release after a failed settlement failed; the lease runs out instead");
-                }
+                // off). In a clean-up task, so the settlement ends here: counted, with nothing
+                // left to wait for (a shutdown waits for clean-ups up to its deadline).
+                self.release_in_cleanup();
                 Err(e)
             }
         }
@@ -547,19 +550,33 @@ impl<B: Backend> Renewer<B> {
     }
 }
 
-impl<B: Backend> Drop for LeaseHold<B> {
-    fn drop(&mut self) {
-        if !self.armed {
+impl<B: Backend> LeaseHold<B> {
+    /// Gives the row back, due at once, in a clean-up task, while its lease lasts: a release
+    /// fenced on a lease that ran out changes nothing (another claim may hold the row, or it
+    /// is claimable already), and after a server went away it would wait for a connection
+    /// for the pool's whole acquire timeout. A release that fails leaves the lease to run
+    /// out.
+    fn release_in_cleanup(&self) {
+        let token = self.cell.token();
+        if clock::now_ms() >= token.expires_ms {
             return;
         }
         let strategy = self.strategy.clone();
         let shared = self.shared.clone();
-        let cell = self.cell.clone();
+        let release = self.cell.release(self.id);
         let id = self.id;
         self.shared.broker.spawn_cleanup(async move {
-            if let Err(e) = strategy.settle(cell.token(), cell.release(id)).await {
-                tracing::warn!(table = shared.name(), id, error = %e, "release of a dropped lease failed; it runs out instead");
+            if let Err(e) = strategy.settle(token, release).await {
+                tracing::warn!(table = shared.name(), id, error = %e, "release of a lease failed; it runs out instead");
             }
         });
+    }
+}
+
+impl<B: Backend> Drop for LeaseHold<B> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.release_in_cleanup();
+        }
     }
 }
