@@ -9,12 +9,13 @@
 //! | `sqlx_broker_claim_seconds` | histogram | one claim's round trips, from its start to its rows |
 //! | `sqlx_broker_due_to_start_seconds` | histogram | from a row's due time to its handler's start (rows with a due time) |
 //! | `sqlx_broker_in_work` | gauge | deliveries whose handler runs now |
+//! | `sqlx_broker_held` | gauge | rows claimed and not yet settled or given back: waiting for a worker, in work, or settling |
 //! | `sqlx_broker_depth`, `sqlx_broker_lag_seconds` | gauge | unfinished rows (due, scheduled, in work) and the queue's lag, while a sampler runs (`Queue::export_depth`) |
 //!
 //! Handles are made when a queue is prepared: install the recorder (the exporter) before
 //! preparing queues.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 /// The counters of [`MetricsSnapshot`], by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +74,21 @@ impl Counter {
             Self::BatchedAcks => "sqlx_broker_batched_acks_total",
         }
     }
+
+    /// Whether a row counted here has left the broker's hands: one of the seven counters every
+    /// claimed row ends in exactly once (see [`MetricsSnapshot`]).
+    fn counts_a_row_out(self) -> bool {
+        matches!(
+            self,
+            Self::Acked
+                | Self::Retried
+                | Self::DeadLettered
+                | Self::LeaseLost
+                | Self::Gone
+                | Self::SettleFailed
+                | Self::Released
+        )
+    }
 }
 
 /// Live counters of one queue (shared by every subscription and manual claim on it).
@@ -80,6 +96,9 @@ impl Counter {
 pub(crate) struct Metrics {
     counters: [AtomicU64; Counter::ALL.len()],
     pub(crate) in_work: AtomicU64,
+    /// Rows claimed and not yet counted out (see [`MetricsSnapshot::held`]). Signed, so a
+    /// row counted out twice (a bug) shows as a mismatch rather than a wrapped gauge.
+    held: AtomicI64,
     #[cfg(feature = "metrics")]
     export: Export,
 }
@@ -93,6 +112,7 @@ struct Export {
     claim: metrics::Histogram,
     due_to_start: metrics::Histogram,
     in_work: metrics::Gauge,
+    held: metrics::Gauge,
     depth: metrics::Gauge,
     lag: metrics::Gauge,
 }
@@ -105,6 +125,7 @@ impl Metrics {
         Self {
             counters: Default::default(),
             in_work: AtomicU64::new(0),
+            held: AtomicI64::new(0),
             #[cfg(feature = "metrics")]
             export: {
                 let label = || [("table", table.to_owned())];
@@ -117,6 +138,7 @@ impl Metrics {
                     claim: metrics::histogram!("sqlx_broker_claim_seconds", &label()),
                     due_to_start: metrics::histogram!("sqlx_broker_due_to_start_seconds", &label()),
                     in_work: metrics::gauge!("sqlx_broker_in_work", &label()),
+                    held: metrics::gauge!("sqlx_broker_held", &label()),
                     depth: metrics::gauge!("sqlx_broker_depth", &label()),
                     lag: metrics::gauge!("sqlx_broker_lag_seconds", &label()),
                 }
@@ -124,15 +146,32 @@ impl Metrics {
         }
     }
 
-    /// Adds `n` to a counter.
+    /// Adds `n` to a counter, and keeps [`MetricsSnapshot::held`]: a claimed row is held
+    /// before it counts as claimed, and counted out before it stops being held, so a reading
+    /// (which reads `claimed` first, then `held`, then the rest) never finds a row in no counter.
     pub(crate) fn add(&self, counter: Counter, n: u64) {
-        self.counters[counter as usize].fetch_add(n, Ordering::Relaxed);
+        let rows = i64::try_from(n).unwrap_or(i64::MAX);
+        if counter == Counter::Claimed {
+            self.move_held(rows);
+        }
+        self.counters[counter as usize].fetch_add(n, Ordering::SeqCst);
         #[cfg(feature = "metrics")]
         self.export.counters[counter as usize].increment(n);
+        if counter.counts_a_row_out() {
+            self.move_held(-rows);
+        }
+    }
+
+    fn move_held(&self, rows: i64) {
+        self.held.fetch_add(rows, Ordering::SeqCst);
+        // Exact up to 2^53 rows.
+        #[cfg(feature = "metrics")]
+        #[allow(clippy::cast_precision_loss)]
+        self.export.held.increment(rows as f64);
     }
 
     fn get(&self, counter: Counter) -> u64 {
-        self.counters[counter as usize].load(Ordering::Relaxed)
+        self.counters[counter as usize].load(Ordering::SeqCst)
     }
 
     /// A handler ran for `seconds`.
@@ -171,8 +210,13 @@ impl Metrics {
     }
 
     pub(crate) fn snapshot(&self) -> MetricsSnapshot {
+        // In this order (see `add`): a row that leaves work while this reads may count twice,
+        // never not at all.
+        let claimed = self.get(Counter::Claimed);
+        let held = u64::try_from(self.held.load(Ordering::SeqCst)).unwrap_or(0);
         MetricsSnapshot {
-            claimed: self.get(Counter::Claimed),
+            claimed,
+            held,
             acked: self.get(Counter::Acked),
             retried: self.get(Counter::Retried),
             dead_lettered: self.get(Counter::DeadLettered),
@@ -193,13 +237,14 @@ impl Metrics {
 
 /// A reading of a queue's counters.
 ///
-/// Every claimed row leaves work exactly once, through one of seven counters, so at rest (no
-/// subscription running, no manual delivery held):
+/// Every claimed row leaves work exactly once, through one of seven counters, and is
+/// [`held`](Self::held) until then, so at every moment:
 ///
-/// `claimed = acked + retried + dead_lettered + lease_lost + gone + settle_failed + released`
+/// `claimed = acked + retried + dead_lettered + lease_lost + gone + settle_failed + released + held`
 ///
-/// While subscriptions run, the difference is the rows in work ([`in_work`](Self::in_work))
-/// and the rows a claim fetched ahead that wait for a free worker.
+/// At rest (no subscription running, no manual delivery held) `held` is 0. A reading is not
+/// atomic: a row that leaves work while it is taken may show in both `held` and its counter
+/// (the right side then reads one more), never in neither.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MetricsSnapshot {
@@ -214,8 +259,15 @@ pub struct MetricsSnapshot {
     /// Settlements refused because the delivery's hold was lost: its lease ran out (lease
     /// mode), or its key's session died and the row was claimed again (advisory mode).
     pub lease_lost: u64,
-    /// Deliveries whose handler is running now.
+    /// Deliveries whose handler is running now (a gauge). Rows a claim fetched ahead that
+    /// wait for a free worker, and rows whose handler returned and whose settlement is still
+    /// in flight, are not in it: they are in [`held`](Self::held).
     pub in_work: u64,
+    /// Rows claimed and not yet settled or given back (a gauge): waiting for a free worker, in
+    /// work, or settling. What [`claimed`](Self::claimed) holds beyond the seven counters that
+    /// rows leave through. `stats()`'s `in_work` counts rows in work in the table, of every
+    /// process, and so includes this process's held rows.
+    pub held: u64,
     /// Handlers that returned an error.
     pub handler_errors: u64,
     /// Handlers that panicked.

@@ -493,4 +493,5 @@ pub fn assert_counters_add_up<B: Backend, T>(q: &Queue<B, T>) {
         "claimed must equal acked + retried + dead_lettered + lease_lost + gone + settle_failed + released at rest: {m:?}"
     );
     assert_eq!(m.in_work, 0, "nothing in work at rest: {m:?}");
+    assert_eq!(m.held, 0, "nothing held at rest: {m:?}");
 }

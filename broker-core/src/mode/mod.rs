@@ -116,8 +116,18 @@ impl<B: Backend> Hold<B> {
     /// [`Shared::settle_failed`]) before the hold gives the row back where the mode gives it
     /// back itself (lease releases it, advisory unlocks its key), so a claim that takes the row
     /// next sees the failure and backs off. Row lock's rollback happens in the backend.
+    ///
+    /// A settlement cut short (its future dropped while a statement ran: a shutdown's deadline
+    /// passed) counts in `settle_failed`, so its row is never in no counter; it may have
+    /// landed. Every path above counts its row with no wait after the count, so a cut never
+    /// counts a row twice.
     pub(crate) async fn settle(self, settle: Settle, shared: &Shared<B>) -> Result<()> {
-        match self {
+        let cut = CutShort {
+            shared,
+            id: settle.id,
+            armed: true,
+        };
+        let out = match self {
             Hold::RowLock(h) => {
                 let out = h.settle(settle).await;
                 if let Err(e) = &out {
@@ -127,6 +137,34 @@ impl<B: Backend> Hold<B> {
             }
             Hold::Lease(h) => h.settle(settle).await,
             Hold::Key(h) => h.settle(settle).await,
+        };
+        cut.disarm();
+        out
+    }
+}
+
+/// Counts a settlement whose future was dropped before it returned (see [`Hold::settle`]).
+struct CutShort<'a, B: Backend> {
+    shared: &'a Shared<B>,
+    id: i64,
+    armed: bool,
+}
+
+impl<B: Backend> CutShort<'_, B> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<B: Backend> Drop for CutShort<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::warn!(
+                table = self.shared.name(),
+                id = self.id,
+                "a settlement was cut short (the shutdown deadline passed); it may have landed, and counts as failed"
+            );
+            self.shared.metrics.add(Counter::SettleFailed, 1);
         }
     }
 }
