@@ -129,10 +129,14 @@ where
     };
     // Reading whether pauses can be watched waits on the database as a claim does: health
     // shows it.
+    let mut stops = (stop.clone(), shared.broker.shutdown.subscribe());
     let pause = {
         let _timed = InFlight::begin(&health, Waiting::PauseRead);
-        PauseWatch::new(&shared).await
+        PauseWatch::new(&shared, stopped(&mut stops)).await
     };
+    // Stopped before it could read whether pauses can be watched: it claims nothing, and
+    // shuts down with nothing to wait for.
+    let pause = pause.unwrap_or_else(PauseWatch::stopped);
     let plan = Plan::new(&options, &table, pool_size(&queue));
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let mut claim_loop = ClaimLoop {
@@ -150,6 +154,7 @@ where
             wake,
             freed: std::sync::atomic::AtomicU64::new(0),
             settlements: std::sync::atomic::AtomicU64::new(0),
+            holding: std::sync::atomic::AtomicUsize::new(0),
             health,
             stop: stop.clone(),
             broker_stop: shared.broker.shutdown.subscribe(),
@@ -164,12 +169,62 @@ where
         stop,
     };
     claim_loop.run().await;
-    let report = claim_loop.shut_down().await;
+    let deadline = Deadline::new(claim_loop.engine.options.shutdown_timeout);
+    let report = claim_loop.shut_down(&deadline).await;
     drop(listener);
     claim_loop.engine.queue.release_kept();
-    shared.broker.drain_cleanups().await;
+    // The rows of dropped deliveries go back in clean-up tasks (lease releases, key unlocks);
+    // a database that does not answer keeps them waiting, and shutdown returns at its deadline
+    // whatever the database does. Left running, they end on their own (a lease release gives
+    // up when its lease runs out; a key's connection that is dropped frees the key).
+    if tokio::time::timeout_at(deadline.end, shared.broker.drain_cleanups())
+        .await
+        .is_err()
+    {
+        tracing::warn!(parent: &span, "shutdown deadline passed while dropped deliveries' rows were given back; that goes on in the background");
+    }
     tracing::info!(parent: &span, finished = report.finished, dropped = report.dropped, "subscription stopped");
     report
+}
+
+/// Completes when the subscription (first) or the broker (second) is told to stop, or is gone.
+async fn stopped(stops: &mut (watch::Receiver<bool>, watch::Receiver<bool>)) {
+    let (sub, broker) = stops;
+    let told = |r: &mut watch::Receiver<bool>| *r.borrow_and_update();
+    if told(sub) || told(broker) {
+        return;
+    }
+    tokio::select! {
+        _ = sub.wait_for(|s| *s) => {}
+        _ = broker.wait_for(|s| *s) => {}
+    }
+}
+
+/// The most of a shutdown's deadline kept for giving back the rows of the deliveries it drops
+/// (at most half of it): handlers get the rest.
+const RELEASE_RESERVE: Duration = Duration::from_secs(1);
+
+/// When a shutdown drops the handlers still running, and when it returns whatever the
+/// database does.
+struct Deadline {
+    /// Claims in flight and handlers in work get until here.
+    handlers: tokio::time::Instant,
+    /// Shutdown returns by here: the dropped deliveries' rows are given back meanwhile.
+    end: tokio::time::Instant,
+}
+
+impl Deadline {
+    fn new(timeout: Duration) -> Self {
+        let now = tokio::time::Instant::now();
+        // A deadline past what the clock can hold means no deadline.
+        let far = || now + Duration::from_secs(100 * 365 * 24 * 3600);
+        let end = now.checked_add(timeout).unwrap_or_else(far);
+        let reserve = RELEASE_RESERVE.min(timeout / 2);
+        Self {
+            handlers: end.checked_sub(reserve).unwrap_or(now),
+            end,
+        }
+    }
 }
 
 impl<B, T> ClaimLoop<B, T>
@@ -193,10 +248,16 @@ where
         while !self.stopped() {
             if self.pause.control {
                 let _timed = InFlight::begin(&self.engine.health, Waiting::PauseRead);
+                let mut stops = (self.stop.clone(), self.broker_stop.clone());
                 self.pause
-                    .refresh(&self.engine.queue.shared, self.engine.options.poll_interval)
+                    .refresh(
+                        &self.engine.queue.shared,
+                        self.engine.options.poll_interval,
+                        stopped(&mut stops),
+                    )
                     .await;
             }
+            lock(&self.engine.health).paused = self.pause.paused;
             let wait = self.happen(Happened::Ready {
                 paused: self.pause.paused,
                 claim_errors: self.engine.claim_errors_in_a_row(),
@@ -294,32 +355,35 @@ where
     }
 
     /// Shutdown: claims in flight finish and their rows are handled like the rest; then
-    /// handlers get until the deadline, and those still running are dropped (their rows
-    /// released).
-    async fn shut_down(&mut self) -> ShutdownReport {
-        let now = tokio::time::Instant::now();
-        // A deadline past what the clock can hold means no deadline.
-        let deadline = now
-            .checked_add(self.engine.options.shutdown_timeout)
-            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
-        while self.machine.claims() > 0 {
-            let Some(report) = self.reports.recv().await else {
-                break;
-            };
-            self.on_report(report);
-        }
+    /// handlers get until the deadline, and what still runs is dropped (their rows released):
+    /// handlers, settlements and claims that wait for a database that does not answer.
+    async fn shut_down(&mut self, deadline: &Deadline) -> ShutdownReport {
         let mut report = ShutdownReport::default();
-        let tasks = &mut self.tasks;
-        let waited = tokio::time::timeout_at(deadline, async {
-            while let Some(done) = tasks.join_next().await {
-                if matches!(done, Ok(true)) {
-                    report.finished += 1;
-                }
+        let claims = async {
+            while self.machine.claims() > 0 {
+                let Some(claim) = self.reports.recv().await else {
+                    break;
+                };
+                self.on_report(claim);
             }
-        })
-        .await;
-        if waited.is_err() {
-            report.dropped = self.tasks.len();
+        };
+        let claims_returned = tokio::time::timeout_at(deadline.handlers, claims)
+            .await
+            .is_ok();
+        let tasks = &mut self.tasks;
+        let waited = claims_returned
+            && tokio::time::timeout_at(deadline.handlers, async {
+                while let Some(done) = tasks.join_next().await {
+                    if matches!(done, Ok(true)) {
+                        report.finished += 1;
+                    }
+                }
+            })
+            .await
+            .is_ok();
+        if !waited {
+            // Tasks that hold a row: a claim task still waiting for its claim holds none.
+            report.dropped = self.engine.holding.load(Ordering::SeqCst);
             tracing::warn!(parent: &self.engine.span, dropped = report.dropped, "shutdown deadline passed; dropping handlers in work");
             self.tasks.abort_all();
             while self.tasks.join_next().await.is_some() {}

@@ -49,7 +49,9 @@ pub struct ShutdownReport {
     /// had left work before the stop (it shows in the counters as acked, retried, ...) is not
     /// counted, even when its task had not ended yet.
     pub finished: usize,
-    /// Handlers still running at the deadline, dropped (their rows released).
+    /// Deliveries still running at the deadline (a handler, or a settlement waiting for the
+    /// database), dropped: their rows are released, and a settlement cut short counts in
+    /// `settle_failed` (it may have landed).
     pub dropped: usize,
     /// The engine's own panic, if its task panicked (a bug in sqlx-broker: please report it).
     /// The subscription had stopped claiming at that point; rows it held were given back as
@@ -105,6 +107,11 @@ impl Subscription {
     /// Graceful shutdown: stops claiming, waits for handlers in work up to the shutdown
     /// deadline and settles them, drops the rest (their rows are released), and waits until every
     /// key lock and connection of this subscription is given back.
+    ///
+    /// It returns within [`SubscribeOptions::shutdown_timeout`] whatever the database does: a
+    /// server that went away leaves claims, settlements and releases waiting for a connection,
+    /// and what still waits at the deadline is dropped (see `shutdown_timeout` for how the
+    /// deadline is shared, and [`ShutdownReport::dropped`]).
     pub async fn shutdown(mut self) -> ShutdownReport {
         self.stop.send_replace(true);
         match self.task.take() {
@@ -153,6 +160,10 @@ pub struct Health {
     pub decode_errors_in_a_row: u32,
     /// The last decode error (`row 7: ...`), while rows keep failing to decode.
     pub last_decode_error: Option<String>,
+    /// Whether the queue is paused ([`Queue::pause`](crate::Queue::pause), from any process)
+    /// as the subscription last read it: no claims start while it is. A paused subscription
+    /// is healthy (the pause is an operator's choice), and idle.
+    pub paused: bool,
     /// The concurrency the subscription runs at: what `SubscribeOptions::concurrency` asked
     /// for, or less where the pool cannot serve it (then `warnings` says so).
     pub concurrency: usize,
@@ -267,6 +278,11 @@ where
         });
     }
     let mut warnings = queue.shared.warnings.clone();
+    for w in options.warnings(&queue.shared.table) {
+        tracing::warn!(table = queue.shared.name(), "{w}");
+        crate::warnings::report(queue.shared.name(), w.clone());
+        warnings.push(w);
+    }
     warnings.extend(plan::fit_to_pool(
         &mut options,
         &queue.shared.table,

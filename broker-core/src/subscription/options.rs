@@ -25,6 +25,8 @@ pub struct SubscribeOptions {
     pub(super) shutdown_timeout: Duration,
     pub(super) error_backoff: Duration,
     pub(super) error_backoff_max: Duration,
+    /// Whether `error_backoff` was set (the default's 1 s applies quietly).
+    pub(super) error_backoff_set: bool,
     pub(super) max_claims_in_flight: Option<usize>,
 }
 
@@ -39,6 +41,7 @@ impl Default for SubscribeOptions {
             shutdown_timeout: Duration::from_secs(30),
             error_backoff: Duration::from_secs(1),
             error_backoff_max: Duration::from_secs(300),
+            error_backoff_set: false,
             max_claims_in_flight: None,
         }
     }
@@ -115,19 +118,27 @@ impl SubscribeOptions {
         self.poll_cooldown = cooldown;
         self
     }
-    /// How long shutdown waits for handlers in work before it drops them (their rows are
-    /// released as a dropped delivery's are).
+    /// How long a shutdown may take (30 s by default): it returns within this whatever the
+    /// database does. Handlers in work (and claims and settlements in flight) get all of it but
+    /// the last second (the last half, when it is shorter than 2 s); what still runs then is
+    /// dropped, and the rows of dropped deliveries are given back (lease released, key
+    /// unlocked, transaction rolled back) in the time kept for that. `Duration::MAX` waits for
+    /// every handler.
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.shutdown_timeout = timeout;
         self
     }
     /// The delay before retrying a row whose handler failed or panicked: `base` doubled per
     /// attempt, at most `max`. Zero retries at once. Needs a due-time column; without one,
-    /// failed rows are retried at once. A base above its maximum is refused at subscribe. Rows
-    /// whose settlement failed back off by it too (see the crate docs).
+    /// failed rows are retried at once, and a base set here shows as a warning in
+    /// [`Subscription::health`](super::Subscription::health) (and on stderr once, while no
+    /// `tracing` subscriber is installed). A base above its maximum is refused at subscribe.
+    /// Rows whose settlement failed back off by it too, with or without a due-time column (see
+    /// the crate docs).
     pub fn error_backoff(mut self, base: Duration, max: Duration) -> Self {
         self.error_backoff = base;
         self.error_backoff_max = max;
+        self.error_backoff_set = true;
         self
     }
     /// How many claims may run at once (default: enough to fill every slot, `concurrency /
@@ -202,6 +213,18 @@ impl SubscribeOptions {
             );
         }
         Ok(())
+    }
+
+    /// What the options ask of `table` that it cannot do, one sentence each with the fix.
+    pub(super) fn warnings(&self, table: &crate::table::TableDescription) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.error_backoff_set && !self.error_backoff.is_zero() && table.due_at().is_none() {
+            out.push(format!(
+                "error_backoff is set to {:?}, but the table has no due-time column, so a failed handler's row is retried at once; add .due_at(\"..\") to the table description to delay retries",
+                self.error_backoff
+            ));
+        }
+        out
     }
 
     /// The delay before a row's next attempt after `attempt` failed (see

@@ -1,9 +1,29 @@
 //! Whether a subscription's queue is paused, as the claim loop sees it.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::driver::{AdminDriver, Backend};
+use crate::error::Result;
+use crate::inner::Shared;
+
+/// Runs `read` (a statement of the pause's) in a task of its own and waits for it, or for
+/// `stop`, whichever comes first. A stop leaves the read to finish on its own, never cancelled
+/// mid-statement (sqlx-mysql could hand the connection's next user its reply), and lets a
+/// shutdown go on while a server that went away keeps the read waiting for a connection.
+async fn unless_stopped<T: Send + 'static>(
+    read: impl Future<Output = T> + Send + 'static,
+    stop: impl Future<Output = ()>,
+) -> Option<T> {
+    let read = tokio::spawn(read);
+    tokio::select! {
+        biased;
+        () = stop => None,
+        out = read => out.ok(),
+    }
+}
 
 /// Whether a subscription's queue is paused, read from the control table at most once per poll
 /// interval, and at once after a pause or resume through this broker.
@@ -19,9 +39,25 @@ pub(super) struct PauseWatch {
 }
 
 impl PauseWatch {
-    /// Looks whether the control table exists; without it, nothing is read later.
-    pub(super) async fn new<B: Backend>(shared: &crate::inner::Shared<B>) -> Self {
-        let control = match shared.broker.backend.admin().has_control_table().await {
+    /// A subscription stopped before it looked: it never claims, so the pause does not matter.
+    pub(super) fn stopped() -> Self {
+        Self {
+            paused: true,
+            control: false,
+            read_at: None,
+            epoch: 0,
+        }
+    }
+
+    /// Looks whether the control table exists; without it, nothing is read later. `None` when
+    /// `stop` came first.
+    pub(super) async fn new<B: Backend>(
+        shared: &Arc<Shared<B>>,
+        stop: impl Future<Output = ()>,
+    ) -> Option<Self> {
+        let reading = shared.clone();
+        let read = async move { reading.broker.backend.admin().has_control_table().await };
+        let control = match unless_stopped(read, stop).await? {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(table = shared.name(), error = %e, "cannot tell whether the control table exists; pauses from other processes are not seen");
@@ -35,20 +71,22 @@ impl PauseWatch {
                 crate::driver::CONTROL_TABLE
             );
         }
-        Self {
+        Some(Self {
             paused: false,
             control,
             read_at: None,
             epoch: shared.broker.pause_epoch.load(Ordering::SeqCst),
-        }
+        })
     }
 
     /// Reads the pause again when the poll interval passed since the last read, or this broker
-    /// paused or resumed a queue since. A read that fails keeps the last state.
+    /// paused or resumed a queue since. A read that fails keeps the last state; a read that
+    /// `stop` overtakes too.
     pub(super) async fn refresh<B: Backend>(
         &mut self,
-        shared: &crate::inner::Shared<B>,
+        shared: &Arc<Shared<B>>,
         poll: Duration,
+        stop: impl Future<Output = ()>,
     ) {
         if !self.control {
             return;
@@ -62,21 +100,26 @@ impl PauseWatch {
         }
         self.epoch = epoch;
         self.read_at = Some(tokio::time::Instant::now());
-        match shared
-            .broker
-            .backend
-            .admin()
-            .pause_state(shared.name())
-            .await
-        {
-            Ok(state) => {
+        let reading = shared.clone();
+        let read = async move {
+            let state: Result<_> = reading
+                .broker
+                .backend
+                .admin()
+                .pause_state(reading.name())
+                .await;
+            state
+        };
+        match unless_stopped(read, stop).await {
+            None => {}
+            Some(Ok(state)) => {
                 let paused = state.is_some();
                 if paused != self.paused {
                     tracing::info!(table = shared.name(), paused, "the queue's pause changed");
                 }
                 self.paused = paused;
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::warn!(table = shared.name(), error = %e, "reading the queue's pause failed; keeping the last state");
             }
         }

@@ -1,7 +1,7 @@
 //! What a delivery task does with one claimed row: lease renewal from the claim on, a worker
 //! slot, the handler, settlement, and the wake-up for rows the settlement freed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ pub(super) struct Engine<B: Backend, T> {
     pub(super) freed: AtomicU64,
     /// Numbers the settlements [`Health`] times (see [`Waiting::Settlement`]).
     pub(super) settlements: AtomicU64,
+    /// Delivery tasks that hold a claimed row now (waiting for a slot, in work, or settling):
+    /// what a shutdown that passes its deadline reports as dropped.
+    pub(super) holding: AtomicUsize,
     /// What [`Subscription::health`](super::Subscription::health) reads; claims update it.
     pub(super) health: Arc<Mutex<Health>>,
     /// The subscription's and the broker's stop, read when a delivery leaves work: it counts
@@ -64,6 +67,7 @@ where
     B: Backend,
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
+    let _holding = Holding::enter(&engine.holding);
     let inner = &engine.queue.shared;
     let options = &engine.options;
     let id = delivery.id();
@@ -225,6 +229,22 @@ where
         engine.wake.notify_one();
     }
     in_shutdown
+}
+
+/// Counts a delivery task in [`Engine::holding`] until it ends, however it ends.
+struct Holding<'a>(&'a AtomicUsize);
+
+impl<'a> Holding<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Whether a delivery gives its worker slot back when its handler returns, before it settles:

@@ -185,7 +185,8 @@ pub async fn shutdown_deadline_drops_handlers_and_releases_rows<D: TestDb>(mode:
         .subscribe(
             SubscribeOptions::new()
                 .concurrency(2)
-                .shutdown_timeout(Duration::from_millis(300)),
+                // Handlers get all but the last second; that second gives their rows back.
+                .shutdown_timeout(Duration::from_secs(2)),
             |_job| async move {
                 tokio::time::sleep(Duration::from_secs(120)).await;
                 Outcome::Ack
