@@ -17,6 +17,7 @@ pub mod cases;
 pub(crate) mod engine_events;
 pub(crate) mod fixture;
 pub mod history;
+pub mod outage;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
@@ -72,6 +73,7 @@ macro_rules! conformance_suite {
             every_missing_column_is_named,
             rows_that_do_not_decode_show_in_health,
             options_lowered_to_fit_the_pool_show_in_health,
+            an_error_backoff_on_a_table_without_a_due_column_shows_in_health,
             close_before_shutdown_waits_for_the_handlers,
             the_shutdown_report_counts_only_deliveries_in_work_at_the_stop,
             the_doctor_fails_a_missing_table_and_passes_no_index_check_on_it,
@@ -247,6 +249,7 @@ macro_rules! conformance_suite {
     (@server $db:ty; $mode:ident; yes) => {
         $crate::conformance_suite!(@each $db; $mode;
             killed_connections_lose_nothing,
+            a_shutdown_while_the_server_is_gone_returns_within_its_deadline,
             a_fifo_row_committed_late_with_an_earlier_id_waits_for_the_row_in_work,
         );
         $crate::conformance_suite!(@server_only $db; $mode);
@@ -264,6 +267,7 @@ macro_rules! conformance_suite {
     };
     (@server_only $db:ty; lease) => {
         $crate::conformance_suite!(@each $db; lease;
+            a_settlement_gives_up_when_its_lease_runs_out_while_the_server_is_gone,
             an_ack_stuck_behind_a_row_lock_does_not_hold_up_the_others,
             a_settlement_run_again_after_a_cut_leaves_another_claims_row_alone,
         );
@@ -271,7 +275,10 @@ macro_rules! conformance_suite {
     (@server $db:ty; $mode:ident; no) => {};
     // Faults that need server connections and are about no one mode.
     (@server_plain $db:ty; yes) => {
-        $crate::conformance_suite!(@plain $db; lease_settlements_survive_killed_connections_without_reruns);
+        $crate::conformance_suite!(@plain $db;
+            lease_settlements_survive_killed_connections_without_reruns,
+            an_idle_subscription_shuts_down_within_its_deadline_while_the_server_is_gone,
+        );
     };
     (@server_plain $db:ty; no) => {};
     (@each $db:ty; $mode:ident; $($case:ident),* $(,)?) => {

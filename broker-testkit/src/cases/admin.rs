@@ -288,8 +288,13 @@ pub async fn a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them
         .paused
         .expect("stats show the pause");
     assert_eq!(shown.by, "the operator");
-    // Ten poll intervals for the pause to reach the subscription, then rows that must wait.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The subscription reads the pause at its next poll; its health says so.
+    wait_until("health to show the pause", Duration::from_secs(10), || {
+        let paused = sub.health().paused;
+        async move { paused }
+    })
+    .await;
+    assert!(sub.health().is_healthy(), "a pause is not a fault");
     let before = q.metrics().claimed;
     fx.publish(&q, 5).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -299,6 +304,11 @@ pub async fn a_pause_from_another_broker_stops_claims_and_a_resume_restarts_them
         "a paused queue's subscription claimed rows"
     );
     operator.resume().await.expect("resume");
+    wait_until("health to show the resume", Duration::from_secs(10), || {
+        let paused = sub.health().paused;
+        async move { !paused }
+    })
+    .await;
     wait_until(
         "the rows published while paused acked",
         Duration::from_secs(10),

@@ -152,6 +152,39 @@ pub async fn options_lowered_to_fit_the_pool_show_in_health<D: TestDb>() {
     fx.cleanup().await;
 }
 
+/// An error backoff asked of a table without a due-time column cannot delay retries: the
+/// subscription says so in its health (it used to retry at once without a word). The default
+/// backoff, not asked for, says nothing.
+pub async fn an_error_backoff_on_a_table_without_a_due_column_shows_in_health<D: TestDb>() {
+    let fx = Fixture::<D>::build(ClaimMode::Lease, |name| {
+        broker_core::TableDescription::builder(name)
+            .payload("payload", broker_core::ColumnType::Text)
+            .locked_until("locked_until")
+    })
+    .await;
+    let q = fx.queue().await;
+    let handler = |_job| async { Outcome::Ack };
+    let asked =
+        SubscribeOptions::new().error_backoff(Duration::from_secs(5), Duration::from_secs(60));
+    let sub = q.subscribe(asked, handler).unwrap();
+    let h = sub.health();
+    assert!(
+        h.warnings
+            .iter()
+            .any(|w| w.contains("error_backoff") && w.contains("due_at")),
+        "{h:?}"
+    );
+    sub.shutdown().await;
+    let quiet = q.subscribe(SubscribeOptions::new(), handler).unwrap();
+    let h = quiet.health();
+    assert!(
+        !h.warnings.iter().any(|w| w.contains("error_backoff")),
+        "{h:?}"
+    );
+    quiet.shutdown().await;
+    fx.cleanup().await;
+}
+
 /// `broker.close()` while a subscription's handler runs waits for the handler and settles its
 /// row (the ack lands, nothing fails), instead of refusing the settlement.
 pub async fn close_before_shutdown_waits_for_the_handlers<D: TestDb>() {
