@@ -33,6 +33,7 @@ macro_rules! bounded {
 }
 
 bounded!(
+    an_advisory_ack_that_committed_counts_as_acked_when_its_unlock_fails,
     a_connection_cut_while_idle_is_replaced_before_anyone_uses_it,
     a_publish_from_another_process_wakes_a_subscription_long_before_its_poll,
     a_fifo_head_in_an_open_transaction_keeps_its_group_from_every_broker,
@@ -1506,5 +1507,87 @@ mod case {
 
     pub(super) async fn a_unique_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen() {
         publish_stalled_before_its_commit(ClaimMode::Lease, true).await;
+    }
+
+    /// An advisory settlement that committed counts as done when the unlock after it fails:
+    /// the key's connection is closed instead, which frees the key. (Seen in PostgreSQL
+    /// failovers, where the session ended between the two; here the broker's role may not run
+    /// `pg_advisory_unlock`, which fails the unlock every time.)
+    pub(super) async fn an_advisory_ack_that_committed_counts_as_acked_when_its_unlock_fails() {
+        let mut admin = common::admin().await;
+        let role = broker_testkit::unique_name("nounlock");
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN")))
+            .await
+            .expect("create a role of the case's own");
+        let url = common::create_database().await;
+        use std::str::FromStr as _;
+        let db = sqlx::postgres::PgConnectOptions::from_str(&url)
+            .unwrap()
+            .get_database()
+            .unwrap()
+            .to_owned();
+        admin
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER DATABASE {db} OWNER TO {role}"
+            )))
+            .await
+            .expect("give the role the case's database");
+        // In the case's database only: its catalog is its own.
+        let mut in_db = sqlx::PgConnection::connect(&url).await.expect("connect");
+        in_db
+            .execute("REVOKE EXECUTE ON FUNCTION pg_advisory_unlock(bigint) FROM PUBLIC")
+            .await
+            .expect("take the unlock from the role");
+        let _ = in_db.close().await;
+        let as_role = sqlx::postgres::PgConnectOptions::from_str(&url)
+            .unwrap()
+            .username(&role);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(as_role)
+            .await
+            .expect("connect as the role");
+        let broker = broker_core::Broker::new(broker_postgres::PgBackend::new(pool));
+        let table = TableDescription::builder("unlock_fails")
+            .payload("payload", ColumnType::Text)
+            .column("k", ColumnType::Text)
+            .advisory_lock("key-{k}")
+            .build()
+            .unwrap();
+        broker
+            .create_tables(&table)
+            .await
+            .expect("create the table");
+        let q = broker.queue::<Job>(table.clone()).await.expect("queue");
+        let ids = q
+            .publish_batch(&[
+                broker_core::NewJob::new("a".to_owned()).column("k", "k1"),
+                broker_core::NewJob::new("b".to_owned()).column("k", "k1"),
+            ])
+            .await
+            .unwrap();
+        let sub = q
+            .subscribe(
+                SubscribeOptions::new().poll_interval(Duration::from_millis(50)),
+                |_job| async { Outcome::Ack },
+            )
+            .unwrap();
+        broker_testkit::wait_until_rows_gone::<Pg>(&q, &ids, Duration::from_secs(30)).await;
+        sub.shutdown().await;
+        let m = q.metrics();
+        assert_eq!(
+            (m.acked, m.settle_failed),
+            (2, 0),
+            "both acks committed; a failed unlock after each is not a failed settlement: {m:?}"
+        );
+        broker_testkit::assert_counters_add_up(&q);
+        // The key's connection was closed instead of unlocked: the key is free.
+        assert!(!common::key_is_held(&broker, "key-k1").await);
+        broker.close().await;
+        common::drop_database(&url).await;
+        let _ = admin
+            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+            .await;
     }
 }

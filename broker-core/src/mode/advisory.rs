@@ -35,6 +35,10 @@ impl<B: Backend> KeyHold<B> {
 
     /// Settles the row; the key unlocks once the settlement landed. A settlement the key's
     /// fence refused because the row is gone says so ([`SqlxBrokerError::RowGone`]).
+    ///
+    /// A settlement that landed counts as done even when the unlock after it fails: the
+    /// strategy closes the key's connection then, which frees the key as the unlock would have
+    /// (a PostgreSQL failover ending the session between the two counted such acks as failed).
     pub(crate) async fn settle(mut self, settle: Settle) -> Result<()> {
         let lock = self
             .lock
@@ -46,7 +50,13 @@ impl<B: Backend> KeyHold<B> {
                 Err(self.shared.gone(settle.id))
             }
             Err(e) => Err(e),
-            Ok(()) => self.unlock().await,
+            Ok(()) => {
+                let key = self.key.clone();
+                if let Err(e) = self.unlock().await {
+                    tracing::warn!(table = shared.name(), id = settle.id, key, error = %e, "the row was settled; unlocking its key failed, so the key's connection was closed, which frees it");
+                }
+                Ok(())
+            }
         };
         if let Err(e) = &out {
             // Counted before the drop unlocks the key (when the settlement failed), so the
