@@ -185,7 +185,10 @@ pub const LAST_ERROR_BYTES: usize = 1000;
 pub struct JobInfo {
     /// The row id.
     pub id: i64,
-    /// The attempt column.
+    /// The attempt column, which counts as the claim mode says: in lease and advisory modes
+    /// the claim adds one, so a row in work on its first delivery (or acked and kept after
+    /// it) reads 2 where that delivery's [`Job::attempt`](crate::Job::attempt) read 1; in row
+    /// lock mode it moves only when the row is put back. See docs/operating.md.
     pub attempt: i64,
     /// The state the listing asked for.
     pub state: JobState,
