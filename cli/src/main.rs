@@ -9,7 +9,7 @@
 //! sqlx-broker --config jobs.toml dead requeue --id 41 --id 42
 //! sqlx-broker --config jobs.toml pause --by "incident 1234"
 //! sqlx-broker --config jobs.toml --json stats
-//! SQLX_BROKER_WEB_TOKEN=s3cret sqlx-broker --config jobs.toml web --listen 0.0.0.0:8080
+//! SQLX_BROKER_WEB_TOKEN=$(openssl rand -hex 32) sqlx-broker --config jobs.toml web --listen 0.0.0.0:8080
 //! sqlx-broker --url sqlite://jobs.db --table emails --advisory-lock 'acct-{account}' \
 //!     --column account:text doctor --concurrency 8
 //! ```
@@ -100,21 +100,7 @@ enum Command {
     /// Serves the web dashboard for the table (see docs/dashboard.md) until Ctrl-C. Anyone
     /// who reaches it can requeue, discard, cancel and pause: give it a token, or keep it on
     /// a loopback address behind a proxy that authenticates.
-    Web {
-        /// The address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// Require this bearer token (an `Authorization: Bearer` header, or the login page).
-        #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Show the queue and refuse every action.
-        #[arg(long)]
-        read_only: bool,
-        /// Listen on a non-loopback address without a token (only behind a proxy that
-        /// authenticates).
-        #[arg(long)]
-        insecure_no_auth: bool,
-    },
+    Web(WebArgs),
     /// Checks the deployment for the table and says what to change.
     Doctor {
         /// The concurrency each subscription will run with.
@@ -124,6 +110,34 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         subscriptions: usize,
     },
+}
+
+/// The flags of `web`.
+#[derive(Debug, clap::Args)]
+struct WebArgs {
+    /// The address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// Require this bearer token (an `Authorization: Bearer` header, or the login page); at
+    /// least 16 bytes.
+    #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Also answer to this host name (repeat the flag). Without a token only loopback names
+    /// (localhost, 127.0.0.1, [::1]) are served, so that a page on another site cannot reach
+    /// the dashboard through a DNS name pointed at this machine.
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    allowed_hosts: Vec<String>,
+    /// Mark the cookies `Secure`, with `__Host-` names: when a proxy in front serves the
+    /// dashboard over HTTPS.
+    #[arg(long)]
+    secure_cookies: bool,
+    /// Show the queue and refuse every action.
+    #[arg(long)]
+    read_only: bool,
+    /// Listen on a non-loopback address without a token (only behind a proxy that
+    /// authenticates).
+    #[arg(long)]
+    insecure_no_auth: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -204,14 +218,8 @@ async fn run_on<B: Backend>(
         return Ok(Out::Doctor(report));
     }
     let queue: Queue<B, ()> = broker.queue(table).await.map_err(message)?;
-    if let Command::Web {
-        listen,
-        token,
-        read_only,
-        ..
-    } = command
-    {
-        let out = serve(queue, *listen, token.clone(), *read_only).await;
+    if let Command::Web(web) = command {
+        let out = serve(queue, web).await;
         broker.close().await;
         return out;
     }
@@ -262,24 +270,24 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             rows: q.purge_finished(*older_than).await?,
         },
         Command::Doctor { .. } => unreachable!("run before the queue is prepared"),
-        Command::Web { .. } => unreachable!("served by run_on"),
+        Command::Web(_) => unreachable!("served by run_on"),
     })
 }
 
-/// Serves the dashboard of `queue` on `listen` until Ctrl-C.
-async fn serve<B: Backend>(
-    queue: Queue<B, ()>,
-    listen: std::net::SocketAddr,
-    token: Option<String>,
-    read_only: bool,
-) -> Result<Out, String> {
+/// Serves the dashboard of `queue` as `web` says until Ctrl-C.
+async fn serve<B: Backend>(queue: Queue<B, ()>, web: &WebArgs) -> Result<Out, String> {
     let name = queue.table().name().to_owned();
     let mut dashboard = broker_web::Dashboard::new()
         .queue(queue)
-        .read_only(read_only);
-    if let Some(t) = token {
-        dashboard = dashboard.bearer_token(t);
+        .read_only(web.read_only)
+        .allowed_hosts(web.allowed_hosts.iter().cloned())
+        .secure_cookies(web.secure_cookies);
+    if let Some(t) = &web.token {
+        dashboard = dashboard
+            .bearer_token(t.clone())
+            .map_err(|e| format!("--token (or SQLX_BROKER_WEB_TOKEN): {e}"))?;
     }
+    let listen = web.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
@@ -294,18 +302,19 @@ async fn serve<B: Backend>(
     Ok(Out::Done("dashboard stopped".to_owned()))
 }
 
-/// Refuses a dashboard that anyone on the network could use.
+/// Refuses a dashboard that anyone on the network could use, and a token too short to guard
+/// it, before anything connects.
 fn check_web(command: &Command) -> Result<(), String> {
-    if let Command::Web {
-        listen,
-        token,
-        insecure_no_auth,
-        ..
-    } = command
-        && !listen.ip().is_loopback()
-        && token.is_none()
-        && !insecure_no_auth
-    {
+    let Command::Web(web) = command else {
+        return Ok(());
+    };
+    // An empty SQLX_BROKER_WEB_TOKEN reaches here as an empty token, and is refused with it.
+    if let Some(t) = &web.token {
+        broker_web::check_token(t)
+            .map_err(|e| format!("--token (or SQLX_BROKER_WEB_TOKEN): {e}"))?;
+    }
+    let listen = web.listen;
+    if !listen.ip().is_loopback() && web.token.is_none() && !web.insecure_no_auth {
         return Err(format!(
             "{listen} is reachable from other machines, and without a token anyone there could requeue, discard, cancel and pause: pass --token (or SQLX_BROKER_WEB_TOKEN), listen on 127.0.0.1 behind a proxy that authenticates, or pass --insecure-no-auth if such a proxy guards this address"
         ));

@@ -207,6 +207,9 @@ fn http_get(port: u16, path: &str, auth: Option<&str>) -> String {
     out
 }
 
+/// A dashboard token of the length the CLI takes (16 bytes or more).
+const TOKEN: &str = "s3cret-s3cret-s3cret";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_cli_serves_the_dashboard_behind_its_token() {
     let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-web"));
@@ -236,7 +239,7 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--token",
-            "s3cret",
+            TOKEN,
         ])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -251,7 +254,7 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
     }
     let anonymous = http_get(port, "/", None);
     let wrong = http_get(port, "/", Some("guess"));
-    let page = http_get(port, "/", Some("s3cret"));
+    let page = http_get(port, "/", Some(TOKEN));
     server.kill().unwrap();
     server.wait().unwrap();
     assert!(anonymous.starts_with("HTTP/1.0 303"), "{anonymous}");
@@ -262,5 +265,114 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
         page.contains(r#"data-state="due">3<"#) && page.contains(r#"data-state="dead">1<"#),
         "{page}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Starts `sqlx-broker web` for table `name` with `args`; waits until it listens on `port`.
+fn start_web(url: &str, name: &str, port: u16, args: &[&str]) -> std::process::Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args(["--url", url, "--table", name, "--payload", "payload"])
+        .args(["--locked-until", "locked_until", "--due-at", "due_at"])
+        .args(["--processed-at", "done_at", "--last-error", "last_error"])
+        .args(["--max-attempts", "1", "--dead-letter-column", "dead_at"])
+        .args(["web", "--listen", &format!("127.0.0.1:{port}")])
+        .args(args)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dashboard never listened"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    child
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One HTTP/1.0 GET with `host` as its Host header.
+fn http_get_as(port: u16, path: &str, host: &str, auth: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let auth = auth
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn a_short_or_empty_dashboard_token_is_refused() {
+    let url = "sqlite://does-not-matter.db";
+    for (token, env) in [(Some(""), None), (Some("short"), None), (None, Some(""))] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"));
+        c.args([
+            "--url",
+            url,
+            "--table",
+            "jobs",
+            "web",
+            "--listen",
+            "127.0.0.1:0",
+        ]);
+        if let Some(t) = token {
+            c.args(["--token", t]);
+        }
+        c.env_remove("SQLX_BROKER_WEB_TOKEN");
+        if let Some(e) = env {
+            c.env("SQLX_BROKER_WEB_TOKEN", e);
+        }
+        let o = c.output().unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{token:?} {env:?}: {}",
+            stderr(&o)
+        );
+        assert!(stderr(&o).contains("16 bytes"), "{}", stderr(&o));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_dashboard_without_a_token_answers_only_to_loopback_names() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-host"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = table("host_jobs");
+    prepare(&broker, &t).await;
+    broker.close().await;
+    let port = free_port();
+    let mut server = start_web(&url, t.name(), port, &["--allowed-host", "queues.internal"]);
+    let at = |host: &str| http_get_as(port, "/", host, None);
+    let rebound = at("attacker.example");
+    let rebound_with_port = at(&format!("attacker.example:{port}"));
+    let pages = [
+        at(&format!("127.0.0.1:{port}")),
+        at(&format!("localhost:{port}")),
+        at("LOCALHOST"),
+        at(&format!("[::1]:{port}")),
+        at("queues.internal"),
+    ];
+    server.kill().unwrap();
+    server.wait().unwrap();
+    for r in [&rebound, &rebound_with_port] {
+        assert!(r.starts_with("HTTP/1.0 403"), "{r}");
+        assert!(r.contains("--allowed-host"), "{r}");
+    }
+    for p in pages {
+        assert!(p.starts_with("HTTP/1.0 200"), "{p}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
