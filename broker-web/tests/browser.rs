@@ -107,9 +107,18 @@ impl Browser {
         let _ = std::fs::remove_dir_all(&self.profile);
     }
 
-    /// The text of the element at `css`, waiting for it.
+    /// The text of the element at `css`, waiting for it. The refresh script replaces the live
+    /// part of a page each refresh: an element found just before one is gone when its text is
+    /// read, so it is found again (the PostgreSQL queues page failed so once in 17 runs).
     async fn text(&self, css: &str) -> String {
-        self.wait(css).await.text().await.unwrap()
+        for _ in 0..10 {
+            match self.wait(css).await.text().await {
+                Ok(text) => return text,
+                Err(e) if e.is_stale_element_reference() => {}
+                Err(e) => panic!("the text of {css}: {e}"),
+            }
+        }
+        panic!("{css} was replaced before its text could be read, 10 times")
     }
 
     async fn wait(&self, css: &str) -> fantoccini::elements::Element {
