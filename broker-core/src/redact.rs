@@ -8,11 +8,14 @@
 
 /// `text` with the password of every URL in it replaced by `***`.
 ///
-/// A URL is found by its `://` and runs to the next blank, quote or angle bracket, so a URL
-/// inside a sentence, a quoted TOML line or a JSON string is found. Where the user information
-/// ends is read as a URL parser reads it (the last `@` before the path), and where a malformed
-/// URL leaves that unclear (a `/` or `?` in an unencoded password) more is hidden rather than
-/// less: the rule never shows a password, though it may hide a host in such a URL.
+/// A URL is found by its `://` and runs to the next blank, so a URL inside a sentence, a
+/// quoted TOML line or a JSON string is found, and a quote in a password does not end it.
+/// Where the user information ends is read as a URL parser reads it (the last `@` before the
+/// path), and where a malformed URL leaves that unclear (a `/` or `?` in an unencoded password)
+/// more is hidden rather than less: the rule may hide a host of such a URL, or text after a URL
+/// without a password up to an `@` (`postgres://db:5432/app","by":"a@b`), to never show a
+/// password. A blank in a password (which a URL parser takes, encoded) ends the URL early: a
+/// caller that knows the URL hides its password as a whole too.
 ///
 /// ```
 /// use broker_core::redact_passwords;
@@ -31,9 +34,7 @@ pub fn redact_passwords(text: &str) -> String {
     while let Some(at) = rest.find("://") {
         let (head, tail) = rest.split_at(at + 3);
         out.push_str(head);
-        let end = tail
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '<' | '>'))
-            .unwrap_or(tail.len());
+        let end = tail.find(char::is_whitespace).unwrap_or(tail.len());
         let (url, after) = tail.split_at(end);
         redact_one(url, &mut out);
         rest = after;
@@ -156,6 +157,14 @@ mod tests {
         assert_eq!(
             r("postgres://alice:pa#ss@db/app"),
             "postgres://alice:***@db/app"
+        );
+        assert_eq!(
+            r("postgres://alice:S3\"CR'ET@db/app"),
+            "postgres://alice:***@db/app"
+        );
+        assert_eq!(
+            r("url = \"postgres://alice:S3\"CR@db/app\""),
+            "url = \"postgres://alice:***@db/app\""
         );
     }
 
