@@ -17,8 +17,10 @@
 //! The table is described with the roles of `TableDescription`'s builder, by flags or in a TOML
 //! file (see `table.rs`). Output is a human table, or JSON with `--json`. Exit status: 0 done,
 //! 1 refused or failed (the message says why and what to change), 2 bad arguments; `doctor`
-//! exits 1 when a check fails.
+//! exits 1 when a check fails. No message prints the database password, and no text read from
+//! the database reaches the terminal with its control characters.
 
+mod connect;
 mod output;
 mod table;
 
@@ -109,6 +111,9 @@ enum Command {
         /// How many subscriptions share the broker's pool.
         #[arg(long, default_value_t = 1)]
         subscriptions: usize,
+        /// The pool size of the workers' broker (`connect` opens 16), for the pool check.
+        #[arg(long, default_value_t = 16)]
+        pool_size: u32,
     },
 }
 
@@ -208,6 +213,7 @@ async fn run_on<B: Backend>(
     if let Command::Doctor {
         concurrency,
         subscriptions,
+        ..
     } = command
     {
         let options = DoctorOptions::new()
@@ -235,11 +241,15 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             state,
             after,
             limit,
-        } => Out::Jobs(q.jobs(*state, page(*after, *limit)).await?),
+        } => Out::Jobs {
+            jobs: q.jobs(*state, page(*after, *limit)).await?,
+            limit: *limit,
+        },
         Command::Dead { command } => match command {
-            DeadCommand::List { after, limit } => {
-                Out::Jobs(q.dead_letters(page(*after, *limit)).await?)
-            }
+            DeadCommand::List { after, limit } => Out::Jobs {
+                jobs: q.dead_letters(page(*after, *limit)).await?,
+                limit: *limit,
+            },
             DeadCommand::Requeue(which) => Out::Count {
                 what: "requeued",
                 rows: q.requeue_dead(which.dead_letters()).await?,
@@ -345,26 +355,42 @@ async fn run(cli: Cli) -> Result<Out, String> {
         .clone()
         .or(file_url)
         .ok_or("give the database URL: --url, SQLX_BROKER_URL, or url = \"..\" in --config")?;
-    let url = url.as_str();
-    let err = |e: SqlxBrokerError| format!("cannot connect to {url}: {e}");
+    // Every message names the URL without its password, and a message that repeats the
+    // password some other way (a driver's text, a URL cut at a blank) shows it as *** too.
+    let secret = connect::password_of(&url);
+    open_and_run(&url, table, &cli.command)
+        .await
+        .map_err(|e| connect::hide(&e, secret.as_deref()))
+}
+
+/// Connects to `url` and runs `command` on `table` there.
+async fn open_and_run(
+    url: &str,
+    table: TableDescription,
+    command: &Command,
+) -> Result<Out, String> {
+    let shown = broker_core::redact_passwords(url);
+    let err = |e: SqlxBrokerError| format!("cannot connect to {shown}: {e}");
+    // The doctor's pool check reads the pool's size: give it the workers'.
+    let pool = match command {
+        Command::Doctor { pool_size, .. } => *pool_size,
+        _ => connect::POOL,
+    };
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let broker = broker_postgres::PgBackend::connect(url)
-            .await
-            .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        let broker = connect::postgres(url, pool).await.map_err(err)?;
+        run_on(broker, table, command).await
     } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let broker = broker_mysql::MySqlBackend::connect(url)
-            .await
-            .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        let broker = connect::mysql(url, pool).await.map_err(err)?;
+        run_on(broker, table, command).await
     } else if url.starts_with("sqlite:") {
+        // A file, not a server: its pool costs no server connection.
         let broker = broker_sqlite::SqliteBackend::connect_existing(url)
             .await
             .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        run_on(broker, table, command).await
     } else {
         Err(format!(
-            "{url}: the URL must start with postgres://, mysql:// or sqlite:"
+            "{shown}: the URL must start with postgres://, mysql:// or sqlite:"
         ))
     }
 }
@@ -393,10 +419,15 @@ fn main() -> ExitCode {
             }
         }
         Err(e) => {
+            // A message may quote a URL (from the driver, a file, a flag): hide its password.
+            let e = broker_core::redact_passwords(&e);
             if json {
-                println!("{}", serde_json::json!({ "error": e }));
+                println!(
+                    "{}",
+                    output::json_safe(serde_json::json!({ "error": e }).to_string())
+                );
             } else {
-                eprintln!("error: {e}");
+                eprintln!("error: {}", output::terminal_text(&e));
             }
             ExitCode::from(1)
         }
