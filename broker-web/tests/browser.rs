@@ -133,6 +133,15 @@ impl Browser {
     async fn click(&self, css: &str) {
         self.wait(css).await.click().await.unwrap();
     }
+
+    /// Clicks Pause in `queue`'s row of the queues page and waits until the page shows it
+    /// paused.
+    async fn pause(&self, queue: &str) {
+        self.click(&format!("tr[data-queue=\"{queue}\"] button.pause"))
+            .await;
+        self.wait(&format!("tr[data-queue=\"{queue}\"] td.state .paused"))
+            .await;
+    }
 }
 
 impl Drop for Browser {
@@ -356,12 +365,7 @@ where
     let url = serve(Dashboard::new().queue(q.clone())).await;
     let browser = Browser::start().await;
     browser.client.goto(&url).await.unwrap();
-    browser
-        .click(&format!("tr[data-queue=\"{}\"] button.pause", t.name()))
-        .await;
-    browser
-        .wait(&format!("tr[data-queue=\"{}\"] td.state .paused", t.name()))
-        .await;
+    browser.pause(t.name()).await;
     let pause = q
         .paused()
         .await
@@ -626,11 +630,9 @@ async fn sign_in(browser: &Browser, url: &str) {
 /// the pause form with a token the public login page gave it. The signed-in operator's browser
 /// sends the session with it (SameSite=Strict lets same-site requests through); the queue must
 /// stay running.
-async fn a_page_on_another_port_cannot_pause_with_its_own_csrf_cookie<B: Backend>(db: Db<B>)
-where
-    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
-    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
-{
+async fn a_page_on_another_port_cannot_pause_with_its_own_csrf_cookie(
+    db: Db<broker_sqlite::SqliteBackend>,
+) {
     let t = table(&broker_testkit::unique_name("web_toss"), 3);
     let (q, _) = prepare(&db, &t).await;
     let url = serve(
@@ -706,11 +708,9 @@ where
 /// With `secure_cookies(true)` the cookies are `Secure` and named `__Host-`: a browser keeps
 /// them on `http://localhost` (a secure context), signs in, pauses, and signs out; after that
 /// the dashboard sends it back to the login page.
-async fn secure_cookies_sign_in_act_and_sign_out_in_a_browser<B: Backend>(db: Db<B>)
-where
-    String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
-    Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
-{
+async fn secure_cookies_sign_in_act_and_sign_out_in_a_browser(
+    db: Db<broker_sqlite::SqliteBackend>,
+) {
     let t = table(&broker_testkit::unique_name("web_secure"), 3);
     let (q, _) = prepare(&db, &t).await;
     let dashboard = Dashboard::new()
@@ -747,12 +747,7 @@ where
         names.contains(&"__Host-sqlx_broker_csrf secure".to_owned()),
         "{names:?}"
     );
-    browser
-        .click(&format!("tr[data-queue=\"{}\"] button.pause", t.name()))
-        .await;
-    browser
-        .wait(&format!("tr[data-queue=\"{}\"] td.state .paused", t.name()))
-        .await;
+    browser.pause(t.name()).await;
     assert!(q.paused().await.unwrap().is_some());
     browser.click("button.signout").await;
     browser.wait("input[name=token]").await;
@@ -813,7 +808,7 @@ browser_tests!(sqlite:
     a_dead_letter_requeued_in_the_browser_runs_again,
     a_payload_with_markup_is_shown_as_text,
     a_post_without_the_csrf_token_is_refused,
-    // Cookies and sign-in: the same on every database.
+    // Cookies and sign-in: the same on every database, so run on SQLite only.
     a_page_on_another_port_cannot_pause_with_its_own_csrf_cookie,
     secure_cookies_sign_in_act_and_sign_out_in_a_browser,
 );

@@ -33,6 +33,37 @@ async fn queue() -> Queue<SqliteBackend, ()> {
     broker.queue(t).await.unwrap()
 }
 
+/// A dashboard of `q` with the bearer token, nested.
+fn guarded(q: Queue<SqliteBackend, ()>) -> Router {
+    app(Dashboard::new().queue(q).bearer_token(TOKEN).unwrap())
+}
+
+/// Every one of `hosts` (as the Host header of a GET of the queues page) gets `status`.
+async fn answers(app: &Router, hosts: &[&str], status: StatusCode) {
+    for host in hosts {
+        let r = send(app, "GET", "/", host, &[], None, &[]).await;
+        assert_eq!(r.status, status, "{host}: {}", r.body);
+    }
+}
+
+/// The answer sends the browser to the login page.
+fn sent_to_login(r: &Answer) {
+    assert_eq!(r.status, StatusCode::SEE_OTHER, "{}", r.body);
+    assert_eq!(r.location(), format!("{BASE}/login"));
+}
+
+/// The POST went through: it redirects, and the queue is paused.
+async fn paused_by(r: &Answer, q: &Queue<SqliteBackend, ()>) {
+    assert_eq!(r.status, StatusCode::SEE_OTHER, "{}", r.body);
+    assert!(q.paused().await.unwrap().is_some());
+}
+
+/// The POST was refused, and the queue runs.
+async fn refused(r: &Answer, q: &Queue<SqliteBackend, ()>) {
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    assert_eq!(q.paused().await.unwrap(), None);
+}
+
 /// The dashboard nested where a service would put it.
 fn app(d: Dashboard) -> Router {
     Router::new().nest(BASE, d.router())
@@ -142,6 +173,21 @@ async fn send(
 
 const LOCAL: &str = "127.0.0.1:8080";
 
+/// A GET from 127.0.0.1 with `cookies`.
+async fn get(app: &Router, path: &str, cookies: &[&str]) -> Answer {
+    send(app, "GET", path, LOCAL, cookies, None, &[]).await
+}
+
+/// The queue's Pause form posted from 127.0.0.1 with `cookies`.
+async fn pause(app: &Router, cookies: &[&str], form: &str) -> Answer {
+    post(app, "/queues/jobs/pause", cookies, form).await
+}
+
+/// A form POST from 127.0.0.1 with `cookies`.
+async fn post(app: &Router, path: &str, cookies: &[&str], form: &str) -> Answer {
+    send(app, "POST", path, LOCAL, cookies, Some(form), &[]).await
+}
+
 /// Signs in at the login page as a browser would; returns its CSRF cookie and session cookie.
 async fn sign_in(app: &Router, names: (&str, &str)) -> (String, String) {
     let form = send(app, "GET", "/login", LOCAL, &[], None, &[]).await;
@@ -167,7 +213,7 @@ async fn an_open_dashboard_answers_only_to_loopback_and_allowed_host_names() {
         rebound.set_cookie(PLAIN.0).is_none(),
         "no CSRF cookie for it"
     );
-    let page = send(&open, "GET", "/", LOCAL, &[], None, &[]).await;
+    let page = get(&open, "/", &[]).await;
     let (csrf, token) = (page.cookie(PLAIN.0), page.csrf());
     let form = format!("csrf={token}");
     let pause = send(
@@ -183,7 +229,7 @@ async fn an_open_dashboard_answers_only_to_loopback_and_allowed_host_names() {
     assert_eq!(pause.status, StatusCode::FORBIDDEN, "{}", pause.body);
     assert_eq!(q.paused().await.unwrap(), None);
 
-    for host in [
+    let loopback = [
         "localhost",
         "LOCALHOST:8080",
         "localhost.",
@@ -191,41 +237,31 @@ async fn an_open_dashboard_answers_only_to_loopback_and_allowed_host_names() {
         "127.0.0.1",
         "127.1.2.3:80",
         "[::1]:8080",
-    ] {
-        let r = send(&open, "GET", "/", host, &[], None, &[]).await;
-        assert_eq!(r.status, StatusCode::OK, "{host}: {}", r.body);
-    }
-    for host in [
+    ];
+    answers(&open, &loopback, StatusCode::OK).await;
+    let others = [
         "10.0.0.7",
         "0.0.0.0:8080",
         "localhost.attacker.example",
         "[::]",
-    ] {
-        let r = send(&open, "GET", "/", host, &[], None, &[]).await;
-        assert_eq!(r.status, StatusCode::FORBIDDEN, "{host}");
-    }
+    ];
+    answers(&open, &others, StatusCode::FORBIDDEN).await;
 
     // Names given to it are served, in any case, with any port.
     let listed = app(Dashboard::new()
         .queue(q.clone())
         .allowed_hosts(["Queues.Example.", "[fd00::1]"]));
-    for host in [
+    let given = [
         "queues.example:8443",
         "QUEUES.example",
         "[fd00::1]:80",
         "localhost",
-    ] {
-        let r = send(&listed, "GET", "/", host, &[], None, &[]).await;
-        assert_eq!(r.status, StatusCode::OK, "{host}");
-    }
-    let r = send(&listed, "GET", "/", "other.example", &[], None, &[]).await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    ];
+    answers(&listed, &given, StatusCode::OK).await;
+    answers(&listed, &["other.example"], StatusCode::FORBIDDEN).await;
 
     // With a token every name is served (a rebound page has no session), unless a list is given.
-    let guarded = app(Dashboard::new()
-        .queue(q.clone())
-        .bearer_token(TOKEN)
-        .unwrap());
+    let guarded = guarded(q.clone());
     let r = send(&guarded, "GET", "/login", "queues.example", &[], None, &[]).await;
     assert_eq!(r.status, StatusCode::OK);
     let guarded_listed = app(Dashboard::new()
@@ -262,81 +298,36 @@ fn a_token_shorter_than_16_bytes_is_refused() {
 #[tokio::test]
 async fn a_csrf_pair_from_the_login_page_does_not_act_for_a_signed_in_operator() {
     let q = queue().await;
-    let app = app(Dashboard::new()
-        .queue(q.clone())
-        .bearer_token(TOKEN)
-        .unwrap());
+    let app = guarded(q.clone());
     let (_, session) = sign_in(&app, PLAIN).await;
 
     // The attacker's pair: the login page hands one to anyone.
-    let theirs = send(&app, "GET", "/login", LOCAL, &[], None, &[]).await;
+    let theirs = get(&app, "/login", &[]).await;
     let (their_cookie, their_token) = (theirs.cookie(PLAIN.0), theirs.csrf());
     let form = format!("csrf={their_token}");
-    let r = send(
-        &app,
-        "POST",
-        "/queues/jobs/pause",
-        LOCAL,
-        &[&their_cookie, &session],
-        Some(&form),
-        &[],
-    )
-    .await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    let r = pause(&app, &[&their_cookie, &session], &form).await;
+    refused(&r, &q).await;
     assert!(r.body.contains("CSRF"), "{}", r.body);
-    assert_eq!(q.paused().await.unwrap(), None);
 
     // The operator's own page, with the same cookie, gives a token that works.
-    let page = send(
-        &app,
-        "GET",
-        "/",
-        LOCAL,
-        &[&their_cookie, &session],
-        None,
-        &[],
-    )
-    .await;
+    let page = get(&app, "/", &[&their_cookie, &session]).await;
     let form = format!("csrf={}", page.csrf());
-    let r = send(
-        &app,
-        "POST",
-        "/queues/jobs/pause",
-        LOCAL,
-        &[&their_cookie, &session],
-        Some(&form),
-        &[],
-    )
-    .await;
-    assert_eq!(r.status, StatusCode::SEE_OTHER, "{}", r.body);
-    assert!(q.paused().await.unwrap().is_some());
+    let r = pause(&app, &[&their_cookie, &session], &form).await;
+    paused_by(&r, &q).await;
 }
 
 #[tokio::test]
 async fn a_post_with_two_csrf_cookies_is_refused() {
     let q = queue().await;
-    let app = app(Dashboard::new()
-        .queue(q.clone())
-        .bearer_token(TOKEN)
-        .unwrap());
+    let app = guarded(q.clone());
     let (csrf, session) = sign_in(&app, PLAIN).await;
-    let page = send(&app, "GET", "/", LOCAL, &[&csrf, &session], None, &[]).await;
+    let page = get(&app, "/", &[&csrf, &session]).await;
     let form = format!("csrf={}", page.csrf());
     let planted = format!("{}={}", PLAIN.0, "ab".repeat(32));
     // The browser sends the cookie with the longer Path first: here, the dashboard's own.
-    let r = send(
-        &app,
-        "POST",
-        "/queues/jobs/pause",
-        LOCAL,
-        &[&csrf, &planted, &session],
-        Some(&form),
-        &[],
-    )
-    .await;
-    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    let r = pause(&app, &[&csrf, &planted, &session], &form).await;
+    refused(&r, &q).await;
     assert!(r.body.contains("2 sqlx_broker_csrf cookies"), "{}", r.body);
-    assert_eq!(q.paused().await.unwrap(), None);
     // The answer deletes the planted cookie wherever it can sit (not the dashboard's own
     // path) and sets a new one of the dashboard's.
     let set = r.set_cookies();
@@ -368,7 +359,7 @@ async fn a_post_with_two_csrf_cookies_is_refused() {
 async fn a_post_the_browser_says_came_from_another_origin_is_refused() {
     let q = queue().await;
     let app = app(Dashboard::new().queue(q.clone()));
-    let page = send(&app, "GET", "/", LOCAL, &[], None, &[]).await;
+    let page = get(&app, "/", &[]).await;
     let (csrf, form) = (page.cookie(PLAIN.0), format!("csrf={}", page.csrf()));
     for site in ["same-site", "cross-site"] {
         let r = send(
@@ -395,34 +386,21 @@ async fn a_post_the_browser_says_came_from_another_origin_is_refused() {
         &[("sec-fetch-site", "same-origin")],
     )
     .await;
-    assert_eq!(r.status, StatusCode::SEE_OTHER, "{}", r.body);
-    assert!(q.paused().await.unwrap().is_some());
+    paused_by(&r, &q).await;
 }
 
 #[tokio::test]
 async fn cookies_expire_and_are_secure_with_host_names_when_asked() {
     let q = queue().await;
-    let plain = app(Dashboard::new()
-        .queue(q.clone())
-        .bearer_token(TOKEN)
-        .unwrap());
-    let form = send(&plain, "GET", "/login", LOCAL, &[], None, &[]).await;
+    let plain = guarded(q.clone());
+    let form = get(&plain, "/login", &[]).await;
     let csrf = form.set_cookie(PLAIN.0).unwrap();
     assert!(
         csrf.contains(&format!("Path={BASE};")) && !csrf.contains("Secure"),
         "{csrf}"
     );
     let body = format!("csrf={}&token={TOKEN}", form.csrf());
-    let done = send(
-        &plain,
-        "POST",
-        "/login",
-        LOCAL,
-        &[&form.cookie(PLAIN.0)],
-        Some(&body),
-        &[],
-    )
-    .await;
+    let done = post(&plain, "/login", &[&form.cookie(PLAIN.0)], &body).await;
     let auth = done.set_cookie(PLAIN.1).unwrap();
     for part in [
         &format!("Path={BASE}"),
@@ -440,7 +418,7 @@ async fn cookies_expire_and_are_secure_with_host_names_when_asked() {
         .secure_cookies(true)
         .session_lifetime(Duration::from_secs(3600)));
     let names = ("__Host-sqlx_broker_csrf", "__Host-sqlx_broker_auth");
-    let form = send(&secure, "GET", "/login", LOCAL, &[], None, &[]).await;
+    let form = get(&secure, "/login", &[]).await;
     let csrf = form.set_cookie(names.0).unwrap();
     assert!(
         csrf.contains("Path=/;") && csrf.ends_with("; Secure"),
@@ -449,38 +427,11 @@ async fn cookies_expire_and_are_secure_with_host_names_when_asked() {
     // A cookie without the prefix is not the dashboard's once it is secure.
     let body = format!("csrf={}&token={TOKEN}", form.csrf());
     let unprefixed = form.cookie(names.0).replacen("__Host-", "", 1);
-    let r = send(
-        &secure,
-        "POST",
-        "/login",
-        LOCAL,
-        &[&unprefixed],
-        Some(&body),
-        &[],
-    )
-    .await;
+    let r = post(&secure, "/login", &[&unprefixed], &body).await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
-    let done = send(
-        &secure,
-        "POST",
-        "/login",
-        LOCAL,
-        &[&form.cookie(names.0)],
-        Some(&body),
-        &[],
-    )
-    .await;
+    let done = post(&secure, "/login", &[&form.cookie(names.0)], &body).await;
     let auth = done.set_cookie(names.1).unwrap();
-    let page = send(
-        &secure,
-        "GET",
-        "/",
-        LOCAL,
-        &[&done.cookie(names.1)],
-        None,
-        &[],
-    )
-    .await;
+    let page = get(&secure, "/", &[&done.cookie(names.1)]).await;
     assert_eq!(page.status, StatusCode::OK, "{}", page.body);
     for part in ["Path=/;", "HttpOnly", "Max-Age=3600", "Secure"] {
         assert!(auth.contains(part), "{part} in {auth}");
@@ -498,55 +449,41 @@ async fn a_session_past_its_lifetime_no_longer_signs_in() {
     let (_, session) = sign_in(&app, PLAIN).await;
     // Whole seconds: a session of 1 s has ended 2 s later, whenever it started in its second.
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    let r = send(&app, "GET", "/", LOCAL, &[&session], None, &[]).await;
-    assert_eq!(r.status, StatusCode::SEE_OTHER);
-    assert_eq!(r.location(), format!("{BASE}/login"));
+    sent_to_login(&get(&app, "/", &[&session]).await);
 }
 
 #[tokio::test]
 async fn signing_out_ends_the_session_on_the_server() {
     let q = queue().await;
-    let app = app(Dashboard::new().queue(q).bearer_token(TOKEN).unwrap());
+    let app = guarded(q);
     let (csrf, session) = sign_in(&app, PLAIN).await;
-    let page = send(&app, "GET", "/", LOCAL, &[&csrf, &session], None, &[]).await;
+    let page = get(&app, "/", &[&csrf, &session]).await;
     assert_eq!(page.status, StatusCode::OK);
     assert!(page.body.contains("Sign out"), "{}", page.body);
     let form = format!("csrf={}", page.csrf());
-    let out = send(
-        &app,
-        "POST",
-        "/logout",
-        LOCAL,
-        &[&csrf, &session],
-        Some(&form),
-        &[],
-    )
-    .await;
-    assert_eq!(out.status, StatusCode::SEE_OTHER, "{}", out.body);
-    assert_eq!(out.location(), format!("{BASE}/login"));
+    let out = post(&app, "/logout", &[&csrf, &session], &form).await;
+    sent_to_login(&out);
     let cleared = out.set_cookie(PLAIN.1).unwrap();
     assert!(cleared.contains("Max-Age=0"), "{cleared}");
     // A copy of the cookie kept from before (stolen, or a browser that ignored the deletion).
-    let r = send(&app, "GET", "/", LOCAL, &[&csrf, &session], None, &[]).await;
-    assert_eq!(r.status, StatusCode::SEE_OTHER);
-    assert_eq!(r.location(), format!("{BASE}/login"));
+    sent_to_login(&get(&app, "/", &[&csrf, &session]).await);
 }
 
 #[tokio::test]
 async fn failed_sign_ins_are_limited_for_the_whole_dashboard() {
     let q = queue().await;
-    let app = app(Dashboard::new().queue(q).bearer_token(TOKEN).unwrap());
-    let form = send(&app, "GET", "/login", LOCAL, &[], None, &[]).await;
+    let app = guarded(q);
+    let form = get(&app, "/login", &[]).await;
     let csrf = form.cookie(PLAIN.0);
     let token = form.csrf();
     for i in 0..10 {
         let body = format!("csrf={token}&token=guess-number-{i:04}");
-        let r = send(&app, "POST", "/login", LOCAL, &[&csrf], Some(&body), &[]).await;
+        let r = post(&app, "/login", &[&csrf], &body).await;
         assert_eq!(r.status, StatusCode::UNAUTHORIZED, "attempt {i}");
     }
     // The right token now waits too: it is not even compared.
     let body = format!("csrf={token}&token={TOKEN}");
-    let r = send(&app, "POST", "/login", LOCAL, &[&csrf], Some(&body), &[]).await;
+    let r = post(&app, "/login", &[&csrf], &body).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.body);
     assert!(r.set_cookie(PLAIN.1).is_none());
     let wait: u64 = r.headers[header::RETRY_AFTER]
