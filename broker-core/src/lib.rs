@@ -77,6 +77,7 @@ mod metrics;
 mod mode;
 mod payload;
 mod publish;
+mod redact;
 mod schedule;
 mod subscription;
 mod table;
@@ -95,6 +96,7 @@ pub use inner::SETTLE_FAILURE_LIMIT;
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Published, Value};
+pub use redact::redact_passwords;
 pub use schedule::{
     DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, Missed, Schedule, ScheduleRow,
     Scheduled, Tick,

@@ -91,7 +91,8 @@ impl PgBackend {
                 what: format!(
                     "none of the {} hosts takes writes now (each answered as a standby or not within {PROBE_TIMEOUT:?}): {}",
                     hosts.len(),
-                    urls.join(", ")
+                    // The URLs carry the role's password; the message goes to logs.
+                    broker_core::redact_passwords(&urls.join(", "))
                 ),
             });
         };
@@ -156,5 +157,30 @@ async fn watch(pool: PgPool, hosts: Arc<Vec<PgConnectOptions>>, mut at: usize, c
     }
     if let Some(c) = conn {
         let _ = c.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_error_naming_the_hosts_hides_their_passwords() {
+        // Port 1 refuses at once: no host takes writes.
+        let e = PgBackend::connect_primary(
+            &[
+                "postgres://alice:S3CRETPW@127.0.0.1:1/app",
+                "postgres://alice:OTHERPW@127.0.0.1:1/app?password=THIRDPW",
+            ],
+            2,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("none of the 2 hosts takes writes"), "{e}");
+        assert!(e.contains("postgres://alice:***@127.0.0.1:1/app"), "{e}");
+        for secret in ["S3CRETPW", "OTHERPW", "THIRDPW"] {
+            assert!(!e.contains(secret), "{e}");
+        }
     }
 }

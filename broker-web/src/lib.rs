@@ -15,16 +15,19 @@
 //! page. Every action is a POST carrying a CSRF token, checked before any handler runs.
 //!
 //! **The dashboard must sit behind authentication**: anyone who reaches it can requeue, discard,
-//! cancel and pause. Give it a bearer token ([`Dashboard::bearer_token`]), or your application's
-//! own check ([`Dashboard::authorize`]), or put it behind a proxy that authenticates, or make it
-//! [`read_only`](Dashboard::read_only).
+//! cancel and pause. Give it a bearer token ([`Dashboard::bearer_token`], at least 16 bytes),
+//! or your application's own check ([`Dashboard::authorize`]), or put it behind a proxy that
+//! authenticates, or make it [`read_only`](Dashboard::read_only). Without authentication it
+//! answers only to loopback host names and those given to [`Dashboard::allowed_hosts`]. Behind
+//! a proxy that serves it over HTTPS, set [`Dashboard::secure_cookies`].
 //!
 //! ```no_run
 //! # async fn run(queue: broker_core::Queue<impl broker_core::Backend, ()>) {
 //! use broker_web::Dashboard;
 //! let dashboard = Dashboard::new()
 //!     .queue(queue.clone())
-//!     .bearer_token(std::env::var("DASHBOARD_TOKEN").unwrap());
+//!     .bearer_token(std::env::var("DASHBOARD_TOKEN").unwrap())
+//!     .expect("a token of at least 16 bytes");
 //! let app: axum::Router = axum::Router::new()
 //!     // ... the service's own routes ...
 //!     .nest("/admin/queues", dashboard.router());
@@ -54,6 +57,23 @@ use broker_core::{Backend, Queue};
 
 use crate::chart::Series;
 use crate::queue::AnyQueue;
+use crate::security::{Cookies, LoginLimit, Revoked};
+
+pub use crate::security::{MIN_TOKEN_BYTES, check_token};
+
+/// A dashboard setting that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DashboardError {
+    /// The bearer token is shorter than [`MIN_TOKEN_BYTES`].
+    #[error(
+        "the bearer token is {len} bytes long, and the dashboard takes one of at least {MIN_TOKEN_BYTES} bytes: make a random one, e.g. `openssl rand -hex 32`"
+    )]
+    TokenTooShort {
+        /// The length of the token given, in bytes.
+        len: usize,
+    },
+}
 
 /// The name of whoever a request comes from, as the host application's
 /// [`authorize`](Dashboard::authorize) hook tells it; the dashboard records it as who paused a
@@ -74,6 +94,9 @@ enum Auth {
 pub struct Dashboard {
     queues: Vec<Arc<dyn AnyQueue>>,
     auth: Auth,
+    allowed_hosts: Vec<String>,
+    secure_cookies: bool,
+    session: Duration,
     read_only: bool,
     sample_every: Duration,
     window: Duration,
@@ -91,6 +114,9 @@ impl std::fmt::Debug for Dashboard {
                     .map(|q| q.table().name())
                     .collect::<Vec<_>>(),
             )
+            .field("allowed_hosts", &self.allowed_hosts)
+            .field("secure_cookies", &self.secure_cookies)
+            .field("session", &self.session)
             .field("read_only", &self.read_only)
             .field("sample_every", &self.sample_every)
             .finish_non_exhaustive()
@@ -105,12 +131,16 @@ impl Default for Dashboard {
 
 impl Dashboard {
     /// A dashboard with no queues, no authentication (see [`bearer_token`](Self::bearer_token)
-    /// and [`authorize`](Self::authorize)), actions on, a reading of every queue each 10 s kept
-    /// for 15 minutes, and pages that refresh every 5 s.
+    /// and [`authorize`](Self::authorize)), so answering only to loopback host names, actions
+    /// on, cookies without `Secure`, sign-ins that last 8 hours, a reading of every queue each
+    /// 10 s kept for 15 minutes, and pages that refresh every 5 s.
     pub fn new() -> Self {
         Self {
             queues: Vec::new(),
             auth: Auth::None,
+            allowed_hosts: Vec::new(),
+            secure_cookies: false,
+            session: Duration::from_secs(8 * 3600),
             read_only: false,
             sample_every: Duration::from_secs(10),
             window: Duration::from_secs(15 * 60),
@@ -136,10 +166,55 @@ impl Dashboard {
     }
 
     /// Requires `Authorization: Bearer <token>` on every request, or a browser signed in with
-    /// the token through the dashboard's login page (which sets an `HttpOnly` cookie). Replaces
-    /// an [`authorize`](Self::authorize) hook.
-    pub fn bearer_token(mut self, token: impl Into<String>) -> Self {
-        self.auth = Auth::Bearer(token.into());
+    /// the token through the dashboard's login page (which sets an `HttpOnly` cookie that
+    /// expires after [`session_lifetime`](Self::session_lifetime)). Replaces an
+    /// [`authorize`](Self::authorize) hook.
+    ///
+    /// Refuses a token shorter than [`MIN_TOKEN_BYTES`] (16): an empty one would let anyone
+    /// sign in. Make it random (`openssl rand -hex 32`).
+    pub fn bearer_token(mut self, token: impl Into<String>) -> Result<Self, DashboardError> {
+        let token = token.into();
+        check_token(&token)?;
+        self.auth = Auth::Bearer(token);
+        Ok(self)
+    }
+
+    /// Host names (without port) the dashboard answers to besides the loopback ones
+    /// (`localhost`, `*.localhost`, 127.0.0.0/8, `[::1]`), compared without case. Without
+    /// authentication no other name is served (403): a page on another site could otherwise
+    /// point its own name at 127.0.0.1 (DNS rebinding) and use the dashboard as its own. With
+    /// authentication, a list given here is enforced too; without one, every name is served.
+    pub fn allowed_hosts<I, S>(mut self, hosts: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.allowed_hosts.extend(hosts.into_iter().map(|h| {
+            let h: String = h.into();
+            let h = h.trim();
+            h.strip_prefix('[')
+                .and_then(|v6| v6.strip_suffix(']'))
+                .unwrap_or(h)
+                .trim_end_matches('.')
+                .to_ascii_lowercase()
+        }));
+        self
+    }
+
+    /// Marks the cookies `Secure` and names them with the `__Host-` prefix (which also scopes
+    /// them to `Path=/`), for a dashboard served over HTTPS, by itself or by a proxy that
+    /// terminates TLS in front of it. The browser then never sends them over plain HTTP, and
+    /// refuses such a cookie set by a plain-HTTP page or for a narrower path. Off by default:
+    /// a browser drops `Secure` cookies on plain HTTP to any host but localhost.
+    pub fn secure_cookies(mut self, secure: bool) -> Self {
+        self.secure_cookies = secure;
+        self
+    }
+
+    /// How long a sign-in at the login page lasts (8 hours by default), in whole seconds, at
+    /// least one: the cookie's `Max-Age`, and the expiry the dashboard checks itself.
+    pub fn session_lifetime(mut self, lifetime: Duration) -> Self {
+        self.session = Duration::from_secs(lifetime.as_secs().max(1));
         self
     }
 
@@ -178,6 +253,13 @@ impl Dashboard {
         let inner = Arc::new(Inner {
             queues: self.queues,
             auth: self.auth,
+            allowed_hosts: self.allowed_hosts,
+            cookies: Cookies {
+                secure: self.secure_cookies,
+            },
+            session: self.session,
+            revoked: Revoked::default(),
+            login_limit: LoginLimit::default(),
             read_only: self.read_only,
             secret: security::random(),
             sample_every: self.sample_every,
@@ -197,6 +279,7 @@ impl Dashboard {
             .route("/queues/{queue}/jobs/{id}/cancel", post(routes::cancel))
             .route("/queues/{queue}/jobs/{id}/run-now", post(routes::run_now))
             .route("/login", get(routes::login_form).post(routes::login))
+            .route("/logout", post(routes::logout))
             .route("/assets/style.css", get(routes::style))
             .route("/assets/refresh.js", get(routes::script))
             .fallback(routes::not_found)
@@ -212,6 +295,14 @@ impl Dashboard {
 pub(crate) struct Inner {
     queues: Vec<Arc<dyn AnyQueue>>,
     auth: Auth,
+    /// Host names served besides the loopback ones, lowercase.
+    allowed_hosts: Vec<String>,
+    cookies: Cookies,
+    /// How long a sign-in lasts.
+    session: Duration,
+    /// Sessions signed out before they expired.
+    revoked: Revoked,
+    login_limit: LoginLimit,
     read_only: bool,
     secret: [u8; 32],
     sample_every: Duration,
@@ -257,7 +348,7 @@ async fn sample(dashboard: Weak<Inner>, every: Duration) {
                         .record(&stats, &metrics, d.window_ms());
                 }
                 Err(e) => {
-                    tracing::warn!(table = q.table().name(), error = %e, "dashboard: reading the queue for its chart failed");
+                    tracing::warn!(table = q.table().name(), error = %broker_core::redact_passwords(&e.to_string()), "dashboard: reading the queue for its chart failed");
                 }
             }
         }

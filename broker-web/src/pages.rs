@@ -42,6 +42,11 @@ pub(crate) fn layout(ctx: &Ctx, title: &str, refresh: Duration, body: Markup) ->
                     a.brand href=(ctx.home()) { "sqlx-broker" }
                     nav { a href=(ctx.home()) { "Queues" } }
                     @if ctx.read_only { span.badge title="actions are off" { "read-only" } }
+                    @if ctx.session.is_some() {
+                        form.inline.signout method="post" action=(ctx.url("/logout")) {
+                            (csrf(ctx)) button.signout type="submit" { "Sign out" }
+                        }
+                    }
                 }
                 main { (body) }
             }
@@ -461,15 +466,15 @@ pub(crate) fn job(
     )
 }
 
-/// The login page of a dashboard with a bearer token.
-pub(crate) fn login(ctx: &Ctx, failed: bool) -> Markup {
+/// The login page of a dashboard with a bearer token, with why the last attempt failed.
+pub(crate) fn login(ctx: &Ctx, failed: Option<&str>) -> Markup {
     layout(
         ctx,
         "Sign in",
         Duration::ZERO,
         html! {
             h1 { "Sign in" }
-            @if failed { p.error { "That token is not the dashboard's." } }
+            @if let Some(why) = failed { p.error #login-error { (why) } }
             form method="post" action=(ctx.url("/login")) {
                 (csrf(ctx))
                 label { "Token " input type="password" name="token" autocomplete="current-password" autofocus; }

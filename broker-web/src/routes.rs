@@ -14,7 +14,7 @@ use broker_core::{DeadLetters, JobState, Page, SqlxBrokerError};
 use crate::Inner;
 use crate::pages::{self, Listed, QueueView, seg};
 use crate::queue::{AnyQueue, find_job};
-use crate::security::{AUTH_COOKIE, Ctx, form_fields, sign};
+use crate::security::{Ctx, Session, form_fields, sign};
 
 /// Rows per page of a listing.
 const PAGE_ROWS: usize = 50;
@@ -35,6 +35,11 @@ fn series(d: &Inner, name: &str) -> Option<crate::chart::Series> {
         .cloned()
 }
 
+/// An error as a page shows it: without the password of any URL it quotes.
+fn shown(e: &SqlxBrokerError) -> String {
+    broker_core::redact_passwords(&e.to_string())
+}
+
 /// The status and message of a refused or failed operation.
 fn failure(ctx: &Ctx, e: &SqlxBrokerError) -> Response {
     let status = match e {
@@ -42,7 +47,7 @@ fn failure(ctx: &Ctx, e: &SqlxBrokerError) -> Response {
         SqlxBrokerError::RowInWork { .. } | SqlxBrokerError::Refused { .. } => StatusCode::CONFLICT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    pages::error_page(ctx, status, &e.to_string())
+    pages::error_page(ctx, status, &shown(e))
 }
 
 fn no_queue(ctx: &Ctx, name: &str) -> Response {
@@ -76,7 +81,7 @@ pub(crate) async fn queues(
     for q in &d.queues {
         let name = q.table().name().to_owned();
         listed.push(Listed {
-            stats: q.stats().await.map_err(|e| e.to_string()),
+            stats: q.stats().await.map_err(|e| shown(&e)),
             series: series(&d, &name),
             name,
         });
@@ -96,7 +101,7 @@ pub(crate) async fn queue(
         Ok(q) => q,
         Err(r) => return *r,
     };
-    let stats = q.stats().await.map_err(|e| e.to_string());
+    let stats = q.stats().await.map_err(|e| shown(&e));
     let listable = pages::states(q.table());
     let state = match query.state.as_deref().map(str::parse::<JobState>) {
         Some(Ok(s)) if listable.contains(&s) => s,
@@ -122,7 +127,7 @@ pub(crate) async fn queue(
             },
         )
         .await
-        .map_err(|e| e.to_string());
+        .map_err(|e| shown(&e));
     let next_after = match &rows {
         Ok(r) if r.len() == PAGE_ROWS => r.last().map(|j| j.id),
         _ => None,
@@ -358,10 +363,11 @@ pub(crate) async fn login_form(
     if !matches!(d.auth, crate::Auth::Bearer(_)) {
         return Redirect::to(&ctx.home()).into_response();
     }
-    html(pages::login(&ctx, false))
+    html(pages::login(&ctx, None))
 }
 
-/// POST `/login`: a right token sets the signed-in cookie.
+/// POST `/login`: a right token sets the signed-in cookie. Failed attempts are limited for
+/// the whole dashboard (see `LoginLimit`): past the limit the token is not even compared.
 pub(crate) async fn login(
     State(d): State<Arc<Inner>>,
     Extension(ctx): Extension<Ctx>,
@@ -370,6 +376,20 @@ pub(crate) async fn login(
     let crate::Auth::Bearer(token) = &d.auth else {
         return Redirect::to(&ctx.home()).into_response();
     };
+    if let Some(wait) = d.login_limit.wait() {
+        let secs = wait.as_secs().max(1);
+        let mut r = html(pages::login(
+            &ctx,
+            Some(&format!(
+                "Too many failed sign-ins on this dashboard; try again in {secs} s."
+            )),
+        ));
+        *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        return r;
+    }
     let presented = form_fields(&body)
         .into_iter()
         .find(|(k, _)| k == "token")
@@ -377,20 +397,52 @@ pub(crate) async fn login(
         .unwrap_or_default();
     let expected = sign(&d.secret, "bearer", token.as_bytes());
     if !crate::security::verify(&d.secret, "bearer", presented.as_bytes(), &expected) {
-        let mut r = html(pages::login(&ctx, true));
+        d.login_limit.failed();
+        if d.login_limit.wait().is_some() {
+            tracing::warn!(
+                "dashboard: {} failed sign-ins within a minute; the login form refuses attempts for the rest of it",
+                crate::security::LoginLimit::FAILURES
+            );
+        }
+        let mut r = html(pages::login(
+            &ctx,
+            Some("That token is not the dashboard's."),
+        ));
         *r.status_mut() = StatusCode::UNAUTHORIZED;
         return r;
     }
-    let path = if ctx.base.is_empty() {
-        "/"
-    } else {
-        ctx.base.as_str()
-    };
-    let value = sign(&d.secret, "auth-cookie", token.as_bytes());
+    let value = Session::start(&d.secret, token, d.session);
     let mut r = Redirect::to(&ctx.home()).into_response();
-    if let Ok(v) = HeaderValue::from_str(&format!(
-        "{AUTH_COOKIE}={value}; Path={path}; HttpOnly; SameSite=Strict"
-    )) {
+    if let Some(v) = d
+        .cookies
+        .set(d.cookies.auth(), &value, &ctx.base, Some(d.session))
+    {
+        r.headers_mut().append(header::SET_COOKIE, v);
+    }
+    r
+}
+
+/// POST `/logout`: ends the browser's session on the server (its cookie no longer signs in,
+/// even if kept) and deletes the cookie.
+pub(crate) async fn logout(
+    State(d): State<Arc<Inner>>,
+    Extension(ctx): Extension<Ctx>,
+) -> Response {
+    if let Some(s) = &ctx.session {
+        d.revoked.revoke(s);
+    }
+    let to = if matches!(d.auth, crate::Auth::Bearer(_)) {
+        ctx.url("/login")
+    } else {
+        ctx.home()
+    };
+    let mut r = Redirect::to(&to).into_response();
+    if let Some(v) = d.cookies.set(
+        d.cookies.auth(),
+        "",
+        &ctx.base,
+        Some(std::time::Duration::ZERO),
+    ) {
         r.headers_mut().append(header::SET_COOKIE, v);
     }
     r

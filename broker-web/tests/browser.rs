@@ -107,9 +107,18 @@ impl Browser {
         let _ = std::fs::remove_dir_all(&self.profile);
     }
 
-    /// The text of the element at `css`, waiting for it.
+    /// The text of the element at `css`, waiting for it. The refresh script replaces the live
+    /// part of a page each refresh: an element found just before one is gone when its text is
+    /// read, so it is found again (the PostgreSQL queues page failed so once in 17 runs).
     async fn text(&self, css: &str) -> String {
-        self.wait(css).await.text().await.unwrap()
+        for _ in 0..10 {
+            match self.wait(css).await.text().await {
+                Ok(text) => return text,
+                Err(e) if e.is_stale_element_reference() => {}
+                Err(e) => panic!("the text of {css}: {e}"),
+            }
+        }
+        panic!("{css} was replaced before its text could be read, 10 times")
     }
 
     async fn wait(&self, css: &str) -> fantoccini::elements::Element {
@@ -123,6 +132,15 @@ impl Browser {
 
     async fn click(&self, css: &str) {
         self.wait(css).await.click().await.unwrap();
+    }
+
+    /// Clicks Pause in `queue`'s row of the queues page and waits until the page shows it
+    /// paused.
+    async fn pause(&self, queue: &str) {
+        self.click(&format!("tr[data-queue=\"{queue}\"] button.pause"))
+            .await;
+        self.wait(&format!("tr[data-queue=\"{queue}\"] td.state .paused"))
+            .await;
     }
 }
 
@@ -347,12 +365,7 @@ where
     let url = serve(Dashboard::new().queue(q.clone())).await;
     let browser = Browser::start().await;
     browser.client.goto(&url).await.unwrap();
-    browser
-        .click(&format!("tr[data-queue=\"{}\"] button.pause", t.name()))
-        .await;
-    browser
-        .wait(&format!("tr[data-queue=\"{}\"] td.state .paused", t.name()))
-        .await;
+    browser.pause(t.name()).await;
     let pause = q
         .paused()
         .await
@@ -573,6 +586,178 @@ where
     db.dashboard.drop_tables(&t).await.unwrap();
 }
 
+/// One HTTP/1.0 GET on 127.0.0.1:`port`; the response's head and body.
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Text between `start` and the next `end` in `s`.
+fn between<'s>(s: &'s str, start: &str, end: &str) -> &'s str {
+    let from = s
+        .find(start)
+        .unwrap_or_else(|| panic!("no {start:?} in {s}"))
+        + start.len();
+    &s[from..from + s[from..].find(end).unwrap()]
+}
+
+const TOKEN: &str = "browser-test-token-0123456789";
+
+/// Signs the browser in at the dashboard's login page.
+async fn sign_in(browser: &Browser, url: &str) {
+    browser.client.goto(url).await.unwrap();
+    browser
+        .wait("input[name=token]")
+        .await
+        .send_keys(TOKEN)
+        .await
+        .unwrap();
+    browser.click("form button[type=submit]").await;
+    browser.wait("h1").await;
+    assert_eq!(browser.text("h1").await, "Queues", "signed in");
+}
+
+/// A page on another port of the same host is same-site with the dashboard: it can plant a
+/// CSRF cookie for a path under the dashboard (which the browser then sends first) and post
+/// the pause form with a token the public login page gave it. The signed-in operator's browser
+/// sends the session with it (SameSite=Strict lets same-site requests through); the queue must
+/// stay running.
+async fn a_page_on_another_port_cannot_pause_with_its_own_csrf_cookie(
+    db: Db<broker_sqlite::SqliteBackend>,
+) {
+    let t = table(&broker_testkit::unique_name("web_toss"), 3);
+    let (q, _) = prepare(&db, &t).await;
+    let url = serve(
+        Dashboard::new()
+            .queue(q.clone())
+            .bearer_token(TOKEN)
+            .unwrap(),
+    )
+    .await;
+    let port: u16 = between(&url, "127.0.0.1:", "/").parse().unwrap();
+
+    // The attacker's pair, from the login page anyone may load.
+    let login = http_get(port, "/admin/queues/login").await;
+    let cookie = between(&login, "sqlx_broker_csrf=", ";").to_owned();
+    let token = between(&login, r#"name="csrf" value=""#, "\"").to_owned();
+    let pause = format!("{url}/queues/{}/pause", t.name());
+    let page = format!(
+        "<!doctype html><form method=post action=\"{pause}\"><input name=csrf value=\"{token}\"></form><script>document.forms[0].submit()</script>"
+    );
+    let planted = format!(
+        "sqlx_broker_csrf={cookie}; Path=/admin/queues/queues/{}; SameSite=Lax",
+        t.name()
+    );
+    let attacker: axum::Router = axum::Router::new().route(
+        "/",
+        axum::routing::get(move || {
+            let (page, planted) = (page.clone(), planted.clone());
+            async move {
+                (
+                    [
+                        (axum::http::header::SET_COOKIE, planted),
+                        (axum::http::header::CONTENT_TYPE, "text/html".to_owned()),
+                    ],
+                    page,
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let attacker_url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, attacker).await });
+
+    let browser = Browser::start().await;
+    sign_in(&browser, &url).await;
+    browser.client.goto(&attacker_url).await.unwrap();
+    // Either page: the refusal, or (were the POST let through) the queues page.
+    browser.wait("#error, td.state .paused").await;
+    assert!(
+        q.paused().await.unwrap().is_none(),
+        "the page on another port paused the queue"
+    );
+    assert!(browser.text("#error").await.contains("refused"));
+    // The operator's own form still works.
+    browser.client.goto(&url).await.unwrap();
+    browser
+        .click(&format!("tr[data-queue=\"{}\"] button.pause", t.name()))
+        .await;
+    browser.wait("#error, td.state .paused").await;
+    let own = q.paused().await.unwrap();
+    let error = if own.is_none() {
+        browser.text("#error").await
+    } else {
+        String::new()
+    };
+    browser.close().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+    assert!(
+        own.is_some(),
+        "the operator's own Pause was refused: {error}"
+    );
+}
+
+/// With `secure_cookies(true)` the cookies are `Secure` and named `__Host-`: a browser keeps
+/// them on `http://localhost` (a secure context), signs in, pauses, and signs out; after that
+/// the dashboard sends it back to the login page.
+async fn secure_cookies_sign_in_act_and_sign_out_in_a_browser(
+    db: Db<broker_sqlite::SqliteBackend>,
+) {
+    let t = table(&broker_testkit::unique_name("web_secure"), 3);
+    let (q, _) = prepare(&db, &t).await;
+    let dashboard = Dashboard::new()
+        .queue(q.clone())
+        .bearer_token(TOKEN)
+        .unwrap()
+        .secure_cookies(true);
+    let url = serve(dashboard).await.replacen("127.0.0.1", "localhost", 1);
+    let browser = Browser::start().await;
+    sign_in(&browser, &url).await;
+    let names: Vec<String> = browser
+        .client
+        .get_all_cookies()
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| {
+            format!(
+                "{}{}",
+                c.name(),
+                if c.secure() == Some(true) {
+                    " secure"
+                } else {
+                    ""
+                }
+            )
+        })
+        .collect();
+    assert!(
+        names.contains(&"__Host-sqlx_broker_auth secure".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"__Host-sqlx_broker_csrf secure".to_owned()),
+        "{names:?}"
+    );
+    browser.pause(t.name()).await;
+    assert!(q.paused().await.unwrap().is_some());
+    browser.click("button.signout").await;
+    browser.wait("input[name=token]").await;
+    browser.client.goto(&url).await.unwrap();
+    browser.wait("input[name=token]").await;
+    assert_eq!(browser.text("h1").await, "Sign in");
+    browser.close().await;
+    db.dashboard.drop_tables(&t).await.unwrap();
+}
+
 async fn sqlite() -> Db<broker_sqlite::SqliteBackend> {
     let dir = std::env::temp_dir().join(broker_testkit::unique_name("web"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -623,6 +808,9 @@ browser_tests!(sqlite:
     a_dead_letter_requeued_in_the_browser_runs_again,
     a_payload_with_markup_is_shown_as_text,
     a_post_without_the_csrf_token_is_refused,
+    // Cookies and sign-in: the same on every database, so run on SQLite only.
+    a_page_on_another_port_cannot_pause_with_its_own_csrf_cookie,
+    secure_cookies_sign_in_act_and_sign_out_in_a_browser,
 );
 browser_tests!(postgres:
     the_queues_page_shows_the_counts_in_the_database,

@@ -9,7 +9,7 @@
 //! sqlx-broker --config jobs.toml dead requeue --id 41 --id 42
 //! sqlx-broker --config jobs.toml pause --by "incident 1234"
 //! sqlx-broker --config jobs.toml --json stats
-//! SQLX_BROKER_WEB_TOKEN=s3cret sqlx-broker --config jobs.toml web --listen 0.0.0.0:8080
+//! SQLX_BROKER_WEB_TOKEN=$(openssl rand -hex 32) sqlx-broker --config jobs.toml web --listen 0.0.0.0:8080
 //! sqlx-broker --url sqlite://jobs.db --table emails --advisory-lock 'acct-{account}' \
 //!     --column account:text doctor --concurrency 8
 //! ```
@@ -17,8 +17,10 @@
 //! The table is described with the roles of `TableDescription`'s builder, by flags or in a TOML
 //! file (see `table.rs`). Output is a human table, or JSON with `--json`. Exit status: 0 done,
 //! 1 refused or failed (the message says why and what to change), 2 bad arguments; `doctor`
-//! exits 1 when a check fails.
+//! exits 1 when a check fails. No message prints the database password, and no text read from
+//! the database reaches the terminal with its control characters.
 
+mod connect;
 mod output;
 mod table;
 
@@ -100,21 +102,7 @@ enum Command {
     /// Serves the web dashboard for the table (see docs/dashboard.md) until Ctrl-C. Anyone
     /// who reaches it can requeue, discard, cancel and pause: give it a token, or keep it on
     /// a loopback address behind a proxy that authenticates.
-    Web {
-        /// The address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// Require this bearer token (an `Authorization: Bearer` header, or the login page).
-        #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// Show the queue and refuse every action.
-        #[arg(long)]
-        read_only: bool,
-        /// Listen on a non-loopback address without a token (only behind a proxy that
-        /// authenticates).
-        #[arg(long)]
-        insecure_no_auth: bool,
-    },
+    Web(WebArgs),
     /// Checks the deployment for the table and says what to change.
     Doctor {
         /// The concurrency each subscription will run with.
@@ -123,7 +111,38 @@ enum Command {
         /// How many subscriptions share the broker's pool.
         #[arg(long, default_value_t = 1)]
         subscriptions: usize,
+        /// The pool size of the workers' broker (`connect` opens 16), for the pool check.
+        #[arg(long, default_value_t = 16)]
+        pool_size: u32,
     },
+}
+
+/// The flags of `web`.
+#[derive(Debug, clap::Args)]
+struct WebArgs {
+    /// The address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// Require this bearer token (an `Authorization: Bearer` header, or the login page); at
+    /// least 16 bytes.
+    #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Also answer to this host name (repeat the flag). Without a token only loopback names
+    /// (localhost, 127.0.0.1, [::1]) are served, so that a page on another site cannot reach
+    /// the dashboard through a DNS name pointed at this machine.
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    allowed_hosts: Vec<String>,
+    /// Mark the cookies `Secure`, with `__Host-` names: when a proxy in front serves the
+    /// dashboard over HTTPS.
+    #[arg(long)]
+    secure_cookies: bool,
+    /// Show the queue and refuse every action.
+    #[arg(long)]
+    read_only: bool,
+    /// Listen on a non-loopback address without a token (only behind a proxy that
+    /// authenticates).
+    #[arg(long)]
+    insecure_no_auth: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -194,6 +213,7 @@ async fn run_on<B: Backend>(
     if let Command::Doctor {
         concurrency,
         subscriptions,
+        ..
     } = command
     {
         let options = DoctorOptions::new()
@@ -204,14 +224,8 @@ async fn run_on<B: Backend>(
         return Ok(Out::Doctor(report));
     }
     let queue: Queue<B, ()> = broker.queue(table).await.map_err(message)?;
-    if let Command::Web {
-        listen,
-        token,
-        read_only,
-        ..
-    } = command
-    {
-        let out = serve(queue, *listen, token.clone(), *read_only).await;
+    if let Command::Web(web) = command {
+        let out = serve(queue, web).await;
         broker.close().await;
         return out;
     }
@@ -227,11 +241,15 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             state,
             after,
             limit,
-        } => Out::Jobs(q.jobs(*state, page(*after, *limit)).await?),
+        } => Out::Jobs {
+            jobs: q.jobs(*state, page(*after, *limit)).await?,
+            limit: *limit,
+        },
         Command::Dead { command } => match command {
-            DeadCommand::List { after, limit } => {
-                Out::Jobs(q.dead_letters(page(*after, *limit)).await?)
-            }
+            DeadCommand::List { after, limit } => Out::Jobs {
+                jobs: q.dead_letters(page(*after, *limit)).await?,
+                limit: *limit,
+            },
             DeadCommand::Requeue(which) => Out::Count {
                 what: "requeued",
                 rows: q.requeue_dead(which.dead_letters()).await?,
@@ -262,24 +280,24 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             rows: q.purge_finished(*older_than).await?,
         },
         Command::Doctor { .. } => unreachable!("run before the queue is prepared"),
-        Command::Web { .. } => unreachable!("served by run_on"),
+        Command::Web(_) => unreachable!("served by run_on"),
     })
 }
 
-/// Serves the dashboard of `queue` on `listen` until Ctrl-C.
-async fn serve<B: Backend>(
-    queue: Queue<B, ()>,
-    listen: std::net::SocketAddr,
-    token: Option<String>,
-    read_only: bool,
-) -> Result<Out, String> {
+/// Serves the dashboard of `queue` as `web` says until Ctrl-C.
+async fn serve<B: Backend>(queue: Queue<B, ()>, web: &WebArgs) -> Result<Out, String> {
     let name = queue.table().name().to_owned();
     let mut dashboard = broker_web::Dashboard::new()
         .queue(queue)
-        .read_only(read_only);
-    if let Some(t) = token {
-        dashboard = dashboard.bearer_token(t);
+        .read_only(web.read_only)
+        .allowed_hosts(web.allowed_hosts.iter().cloned())
+        .secure_cookies(web.secure_cookies);
+    if let Some(t) = &web.token {
+        dashboard = dashboard
+            .bearer_token(t.clone())
+            .map_err(|e| format!("--token (or SQLX_BROKER_WEB_TOKEN): {e}"))?;
     }
+    let listen = web.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
@@ -294,18 +312,19 @@ async fn serve<B: Backend>(
     Ok(Out::Done("dashboard stopped".to_owned()))
 }
 
-/// Refuses a dashboard that anyone on the network could use.
+/// Refuses a dashboard that anyone on the network could use, and a token too short to guard
+/// it, before anything connects.
 fn check_web(command: &Command) -> Result<(), String> {
-    if let Command::Web {
-        listen,
-        token,
-        insecure_no_auth,
-        ..
-    } = command
-        && !listen.ip().is_loopback()
-        && token.is_none()
-        && !insecure_no_auth
-    {
+    let Command::Web(web) = command else {
+        return Ok(());
+    };
+    // An empty SQLX_BROKER_WEB_TOKEN reaches here as an empty token, and is refused with it.
+    if let Some(t) = &web.token {
+        broker_web::check_token(t)
+            .map_err(|e| format!("--token (or SQLX_BROKER_WEB_TOKEN): {e}"))?;
+    }
+    let listen = web.listen;
+    if !listen.ip().is_loopback() && web.token.is_none() && !web.insecure_no_auth {
         return Err(format!(
             "{listen} is reachable from other machines, and without a token anyone there could requeue, discard, cancel and pause: pass --token (or SQLX_BROKER_WEB_TOKEN), listen on 127.0.0.1 behind a proxy that authenticates, or pass --insecure-no-auth if such a proxy guards this address"
         ));
@@ -336,26 +355,42 @@ async fn run(cli: Cli) -> Result<Out, String> {
         .clone()
         .or(file_url)
         .ok_or("give the database URL: --url, SQLX_BROKER_URL, or url = \"..\" in --config")?;
-    let url = url.as_str();
-    let err = |e: SqlxBrokerError| format!("cannot connect to {url}: {e}");
+    // Every message names the URL without its password, and a message that repeats the
+    // password some other way (a driver's text, a URL cut at a blank) shows it as *** too.
+    let secret = connect::password_of(&url);
+    open_and_run(&url, table, &cli.command)
+        .await
+        .map_err(|e| connect::hide(&e, secret.as_deref()))
+}
+
+/// Connects to `url` and runs `command` on `table` there.
+async fn open_and_run(
+    url: &str,
+    table: TableDescription,
+    command: &Command,
+) -> Result<Out, String> {
+    let shown = broker_core::redact_passwords(url);
+    let err = |e: SqlxBrokerError| format!("cannot connect to {shown}: {e}");
+    // The doctor's pool check reads the pool's size: give it the workers'.
+    let pool = match command {
+        Command::Doctor { pool_size, .. } => *pool_size,
+        _ => connect::POOL,
+    };
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let broker = broker_postgres::PgBackend::connect(url)
-            .await
-            .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        let broker = connect::postgres(url, pool).await.map_err(err)?;
+        run_on(broker, table, command).await
     } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let broker = broker_mysql::MySqlBackend::connect(url)
-            .await
-            .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        let broker = connect::mysql(url, pool).await.map_err(err)?;
+        run_on(broker, table, command).await
     } else if url.starts_with("sqlite:") {
+        // A file, not a server: its pool costs no server connection.
         let broker = broker_sqlite::SqliteBackend::connect_existing(url)
             .await
             .map_err(err)?;
-        run_on(broker, table, &cli.command).await
+        run_on(broker, table, command).await
     } else {
         Err(format!(
-            "{url}: the URL must start with postgres://, mysql:// or sqlite:"
+            "{shown}: the URL must start with postgres://, mysql:// or sqlite:"
         ))
     }
 }
@@ -384,10 +419,15 @@ fn main() -> ExitCode {
             }
         }
         Err(e) => {
+            // A message may quote a URL (from the driver, a file, a flag): hide its password.
+            let e = broker_core::redact_passwords(&e);
             if json {
-                println!("{}", serde_json::json!({ "error": e }));
+                println!(
+                    "{}",
+                    output::json_safe(serde_json::json!({ "error": e }).to_string())
+                );
             } else {
-                eprintln!("error: {e}");
+                eprintln!("error: {}", output::terminal_text(&e));
             }
             ExitCode::from(1)
         }

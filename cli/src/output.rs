@@ -1,4 +1,10 @@
 //! What the CLI prints: a human table, or JSON.
+//!
+//! Text from the database (who paused a queue, payloads, errors, names) can hold terminal
+//! escapes: an `ESC ]` that retitles the window, colours, a right-to-left override that
+//! reverses what follows. None reaches the terminal as such: human output writes each as its
+//! Rust escape (`\u{1b}`), a line break inside a value included, so a value cannot pose as a
+//! line of its own; JSON writes each as `\uXXXX`, which parses back to the same text.
 
 use std::fmt::Write as _;
 
@@ -8,8 +14,15 @@ use serde_json::{Value, json};
 /// A command's result.
 pub(crate) enum Out {
     Stats(QueueStats),
-    Jobs(Vec<JobInfo>),
-    Count { what: &'static str, rows: u64 },
+    /// A page of rows, and the page size asked for.
+    Jobs {
+        jobs: Vec<JobInfo>,
+        limit: usize,
+    },
+    Count {
+        what: &'static str,
+        rows: u64,
+    },
     Done(String),
     Doctor(DoctorReport),
 }
@@ -17,22 +30,25 @@ pub(crate) enum Out {
 impl Out {
     pub(crate) fn render(&self, as_json: bool) -> String {
         if as_json {
-            let mut s = serde_json::to_string_pretty(&self.json()).unwrap_or_default();
+            let mut s = json_safe(serde_json::to_string_pretty(&self.json()).unwrap_or_default());
             s.push('\n');
             return s;
         }
-        match self {
+        let text = match self {
             Out::Stats(s) => stats(s),
-            Out::Jobs(jobs) => jobs_table(jobs),
+            Out::Jobs { jobs, limit } => jobs_table(jobs, *limit),
             Out::Count { what, rows } => {
                 format!(
                     "{rows} {} {what}\n",
                     if *rows == 1 { "row" } else { "rows" }
                 )
             }
-            Out::Done(text) => format!("{text}\n"),
+            Out::Done(text) => format!("{}\n", clean(text)),
             Out::Doctor(report) => report.to_string(),
-        }
+        };
+        // Values are cleaned where they are written; this catches what was not (the doctor's
+        // findings quote the server), keeping the lines.
+        terminal_text(&text)
     }
 
     fn json(&self) -> Value {
@@ -59,7 +75,7 @@ impl Out {
                     "next_tick_ms": c.next_tick_ms(s.read_at_ms),
                 })).collect::<Vec<_>>(),
             }),
-            Out::Jobs(jobs) => Value::Array(
+            Out::Jobs { jobs, .. } => Value::Array(
                 jobs.iter()
                     .map(|j| {
                         json!({
@@ -119,10 +135,15 @@ pub(crate) fn utc(ms: i64) -> String {
 fn stats(s: &QueueStats) -> String {
     let mut out = String::new();
     let state = match &s.paused {
-        Some(p) => format!("PAUSED since {} by \"{}\"", utc(p.since_ms), p.by),
+        Some(p) => format!("PAUSED since {} by \"{}\"", utc(p.since_ms), clean(&p.by)),
         None => "running".into(),
     };
-    let _ = writeln!(out, "queue \"{}\" ({} mode), {state}", s.table, s.mode);
+    let _ = writeln!(
+        out,
+        "queue \"{}\" ({} mode), {state}",
+        clean(&s.table),
+        s.mode
+    );
     let mut row = |name: &str, c: Option<&Count>, note: &str| {
         let value = c.map_or_else(|| "-".to_owned(), |c| c.to_string());
         let _ = writeln!(out, "  {name:<10} {value:>12}{note}");
@@ -173,18 +194,75 @@ fn stats(s: &QueueStats) -> String {
         let _ = writeln!(
             out,
             "  schedule   \"{}\" \"{}\" ({}), next tick {next}",
-            sched.name, sched.expression, sched.time_zone
+            clean(&sched.name),
+            clean(&sched.expression),
+            clean(&sched.time_zone)
         );
     }
     out
 }
 
-/// One line of text, at most `max` characters, without line breaks.
+/// Whether `c` would act on a terminal rather than show: a control character (C0, DEL, C1)
+/// or a bidirectional override or isolate (which reorders the text after it).
+fn acts(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` as one line that shows every character that would act on a terminal as its escape
+/// (`\u{1b}`, `\n`).
+pub(crate) fn clean(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if acts(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Output for a terminal: as [`clean`], but line breaks stay.
+pub(crate) fn terminal_text(text: &str) -> String {
+    text.split('\n').map(clean).collect::<Vec<_>>().join("\n")
+}
+
+/// JSON text with every character that would act on a terminal written as `\uXXXX`.
+/// serde_json writes C0 controls so already; DEL, C1 controls and bidirectional overrides it
+/// writes as they are. They can only stand inside strings, where the escape reads back the same.
+pub(crate) fn json_safe(json: String) -> String {
+    if !json.chars().any(acts) {
+        return json;
+    }
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if acts(c) && c != '\n' {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// One line of text, at most `max` characters: line breaks and tabs read as spaces, other
+/// characters that would act on a terminal as their escapes.
 fn cell(text: &str, max: usize) -> String {
-    let one: String = text
+    let spaced: String = text
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            if matches!(c, '\n' | '\r' | '\t') {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect();
+    let one = clean(&spaced);
     if one.chars().count() <= max {
         one
     } else {
@@ -194,7 +272,8 @@ fn cell(text: &str, max: usize) -> String {
     }
 }
 
-fn jobs_table(jobs: &[JobInfo]) -> String {
+/// The rows of a page; `limit` is the page size asked for.
+fn jobs_table(jobs: &[JobInfo], limit: usize) -> String {
     if jobs.is_empty() {
         return "no rows\n".into();
     }
@@ -214,7 +293,8 @@ fn jobs_table(jobs: &[JobInfo]) -> String {
             cell(j.payload.as_deref().unwrap_or("-"), 40),
         );
     }
-    if let Some(last) = jobs.last() {
+    // A page that is not full is the last: no hint that sends the operator to an empty one.
+    if let Some(last) = jobs.last().filter(|_| jobs.len() >= limit) {
         let _ = writeln!(out, "(next page: --after {})", last.id);
     }
     out
@@ -235,5 +315,15 @@ mod tests {
     fn cells_are_one_line_and_cut() {
         assert_eq!(cell("a\nb", 10), "a b");
         assert_eq!(cell("abcdef", 4), "abc…");
+        assert_eq!(cell("\u{1b}[31mred", 20), "\\u{1b}[31mred");
+    }
+
+    #[test]
+    fn json_text_escapes_what_serde_json_leaves() {
+        let value = json!({ "by": "\u{1b}]0;x\u{7}\u{9b}1m\u{7f}\u{202e}\u{1F600}" });
+        let text = json_safe(value.to_string());
+        assert!(!text.chars().any(acts), "{text:?}");
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, value);
     }
 }

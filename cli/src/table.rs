@@ -201,7 +201,17 @@ impl TableArgs {
 pub(crate) fn read_config(path: &std::path::Path) -> Result<Config, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    toml::from_str(&text).map_err(|e| {
+        // toml's own text quotes the offending line, which can be the URL's, password and all:
+        // name the line and column instead.
+        let at = e.span().map_or_else(String::new, |span| {
+            let before = text.get(..span.start).unwrap_or(&text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!(", line {line}, column {column}")
+        });
+        format!("{}{at}: {}", path.display(), e.message())
+    })
 }
 
 #[cfg(test)]

@@ -142,6 +142,22 @@ fn exercise(url: &str, name: &str, ids: &[i64]) {
     let o = cli(url, name, &["--json", "jobs", "due"]);
     let due: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(due.as_array().map(Vec::len), Some(3), "{due}");
+    // The next-page hint only under a full page: three rows fill a page of 2 and 3, not of 4.
+    let o = cli(url, name, &["jobs", "due", "--limit", "2"]);
+    assert!(
+        stdout(&o).contains(&format!("(next page: --after {})", ids[2])),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(url, name, &["jobs", "due", "--limit", "3"]);
+    assert!(
+        stdout(&o).contains(&format!("(next page: --after {})", ids[3])),
+        "{}",
+        stdout(&o)
+    );
+    let o = cli(url, name, &["jobs", "due", "--limit", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("next page"), "{}", stdout(&o));
 
     let o = cli(url, name, &["purge", "--older-than", "1d"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -178,6 +194,17 @@ async fn the_cli_operates_a_postgres_queue() {
     let t = table(&broker_testkit::unique_name("cli"));
     let ids = prepare(&broker, &t).await;
     exercise(&url, t.name(), &ids);
+    // The doctor checks the workers' pool, not the CLI's two connections.
+    let o = cli(
+        &url,
+        t.name(),
+        &["doctor", "--pool-size", "3", "--concurrency", "40"],
+    );
+    assert!(
+        stdout(&o).contains("pool size: 3 connections for 1 subscription(s) at concurrency 40"),
+        "{}",
+        stdout(&o)
+    );
     broker.drop_tables(&t).await.unwrap();
     broker.close().await;
 }
@@ -206,6 +233,9 @@ fn http_get(port: u16, path: &str, auth: Option<&str>) -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// A dashboard token of the length the CLI takes (16 bytes or more).
+const TOKEN: &str = "s3cret-s3cret-s3cret";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_cli_serves_the_dashboard_behind_its_token() {
@@ -236,7 +266,7 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
             "--listen",
             &format!("127.0.0.1:{port}"),
             "--token",
-            "s3cret",
+            TOKEN,
         ])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -251,7 +281,7 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
     }
     let anonymous = http_get(port, "/", None);
     let wrong = http_get(port, "/", Some("guess"));
-    let page = http_get(port, "/", Some("s3cret"));
+    let page = http_get(port, "/", Some(TOKEN));
     server.kill().unwrap();
     server.wait().unwrap();
     assert!(anonymous.starts_with("HTTP/1.0 303"), "{anonymous}");
@@ -262,5 +292,379 @@ async fn the_cli_serves_the_dashboard_behind_its_token() {
         page.contains(r#"data-state="due">3<"#) && page.contains(r#"data-state="dead">1<"#),
         "{page}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn pg_url() -> String {
+    std::env::var("SQLX_BROKER_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn mysql_url() -> String {
+    std::env::var("SQLX_BROKER_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+}
+
+/// `url` with `user` and `password` in its user information (the URLs above have a user and
+/// no password).
+fn with_login(url: &str, user: &str, password: Option<&str>) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+    match password {
+        Some(p) => format!("{scheme}://{user}:{p}@{host}"),
+        None => format!("{scheme}://{user}@{host}"),
+    }
+}
+
+const SECRET: &str = "S3CRETPW";
+
+/// Runs a failing command with and without `--json`; both exit 1, print neither the password
+/// nor an escape, and the message shows the URL with `***` in the password's place.
+fn refused_without_the_password(url: &str, config: Option<&std::path::Path>, expect: &[&str]) {
+    for json in [false, true] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"));
+        if let Some(path) = config {
+            c.arg("--config").arg(path);
+        } else {
+            c.args(["--url", url]);
+        }
+        if json {
+            c.arg("--json");
+        }
+        let o = c
+            .args(["--table", "jobs", "--payload", "payload", "stats"])
+            .output()
+            .unwrap();
+        let (out, err) = (stdout(&o), stderr(&o));
+        assert_eq!(o.status.code(), Some(1), "{out}{err}");
+        // Its halves too: a quote in a password cuts a URL in two.
+        for part in [SECRET, &SECRET[..4], &SECRET[4..]] {
+            assert!(
+                !out.contains(part) && !err.contains(part),
+                "the password was printed:\n{out}{err}"
+            );
+        }
+        let message = if json {
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            v["error"].as_str().unwrap().to_owned()
+        } else {
+            err
+        };
+        for e in expect {
+            assert!(message.contains(e), "{e:?} not in {message}");
+        }
+    }
+}
+
+#[test]
+fn a_postgres_connect_error_never_prints_the_password() {
+    let db = broker_testkit::unique_name("nodb");
+    let url = format!(
+        "{}/{db}",
+        with_login(&pg_url(), "postgres", Some(SECRET))
+            .rsplit_once('/')
+            .unwrap()
+            .0
+    );
+    refused_without_the_password(&url, None, &["postgres:***@", "does not exist"]);
+    // A blank and a quote in the password, as written (sqlx's URL parser takes both).
+    let odd = url.replacen(SECRET, &format!("{} \"{}", &SECRET[..4], &SECRET[4..]), 1);
+    refused_without_the_password(&odd, None, &["postgres:***@", "does not exist"]);
+    // The libpq form, with the password as a parameter.
+    let url = format!("{}?password={SECRET}", pg_url().rsplit_once('/').unwrap().0);
+    let url = format!("{url}&dbname={db}");
+    refused_without_the_password(&url, None, &["password=***", "does not exist"]);
+}
+
+#[test]
+fn a_mariadb_connect_error_never_prints_the_password() {
+    // root has no password on the test server: one given is refused.
+    let url = with_login(&mysql_url(), "root", Some(SECRET));
+    refused_without_the_password(&url, None, &["root:***@", "Access denied"]);
+    let url = with_login(&mysql_url(), "root", Some(SECRET)).replacen("mysql://", "mariadb://", 1);
+    refused_without_the_password(&url, None, &["root:***@", "Access denied"]);
+}
+
+#[test]
+fn a_bad_url_or_config_never_prints_the_password() {
+    refused_without_the_password(
+        &format!("postgress://alice:{SECRET}@db.invalid/app"),
+        None,
+        &["alice:***@", "postgres://"],
+    );
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-toml"));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The URL's line is the one the TOML parser quotes: its string never ends.
+    let unterminated = dir.join("unterminated.toml");
+    std::fs::write(
+        &unterminated,
+        format!("url = \"postgres://alice:{SECRET}@db.invalid/app\n[table]\nname = \"jobs\"\n"),
+    )
+    .unwrap();
+    refused_without_the_password("", Some(&unterminated), &["line 1"]);
+    // A password with a quote in it ends the string early.
+    let quoted = dir.join("quoted.toml");
+    std::fs::write(
+        &quoted,
+        format!(
+            "url = \"postgres://alice:{}\"{}@db.invalid/app\"\n",
+            &SECRET[..4],
+            &SECRET[4..]
+        ),
+    )
+    .unwrap();
+    refused_without_the_password("", Some(&quoted), &["line 1"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Escapes a terminal would act on: OSC (window title), CSI colours, a BEL, an 8-bit CSI, and a
+/// right-to-left override.
+const ESCAPES: &str = "\u{1b}]0;pwned\u{7}\u{1b}[31mred\u{9b}1m\u{202e}drow\nqueue \"x\" resumed";
+
+fn has_escape(s: &str) -> bool {
+    s.chars().any(|c| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn terminal_escapes_in_the_output_are_shown_as_text() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-esc"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = table("esc_jobs");
+    prepare(&broker, &t).await;
+    broker.close().await;
+
+    let o = cli(&url, t.name(), &["pause", "--by", ESCAPES]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = cli(&url, t.name(), &["stats"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!has_escape(&out), "{out:?}");
+    assert!(out.contains("pwned") && out.contains("\\u{1b}"), "{out}");
+    assert!(
+        !out.lines().any(|l| l.starts_with("queue \"x\"")),
+        "a line break in the text makes a line of its own: {out}"
+    );
+    // JSON keeps the text as it is, every escape written as \u.
+    let o = cli(&url, t.name(), &["--json", "stats"]);
+    let out = stdout(&o);
+    assert!(!has_escape(&out), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["paused"]["by"], ESCAPES);
+    // An error that quotes the table's name.
+    let o = cli(&url, &format!("no_such{ESCAPES}"), &["stats"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!has_escape(&stderr(&o)), "{:?}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A role that may open no connection: the server answers 53300, "too many connections".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_postgres_server_out_of_connections_is_not_blamed_on_the_password() {
+    let admin = broker_postgres::PgBackend::connect(&pg_url())
+        .await
+        .unwrap();
+    let role = broker_testkit::unique_name("cli_role");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN CONNECTION LIMIT 0"
+    )))
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    let o = cli(&with_login(&pg_url(), &role, None), "jobs", &["stats"]);
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    admin.close().await;
+    refused_for_connections(&o, "53300");
+}
+
+/// The CLI's refusal for a server out of connections: the server's code, and what to do
+/// about connections, not about the password.
+fn refused_for_connections(o: &Output, code: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(code), "{err}");
+    assert!(!err.contains("password"), "{err}");
+    assert!(err.contains("no connection to spare"), "{err}");
+}
+
+/// A user that may hold one connection, holding it: the server answers 1226.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_mariadb_server_out_of_connections_is_not_blamed_on_the_password() {
+    use sqlx::Connection;
+    let admin = broker_mysql::MySqlBackend::connect(&mysql_url())
+        .await
+        .unwrap();
+    let user = broker_testkit::unique_name("cli_user");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE USER '{user}'@'%' WITH MAX_USER_CONNECTIONS 1"
+    )))
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    let url = with_login(&mysql_url(), &user, None);
+    let no_db = url.rsplit_once('/').unwrap().0.to_owned();
+    let held = sqlx::MySqlConnection::connect(&no_db).await.unwrap();
+    let o = cli(&url, "jobs", &["stats"]);
+    held.close().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP USER '{user}'@'%'")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    admin.close().await;
+    refused_for_connections(&o, "max_user_connections");
+}
+
+/// Starts `sqlx-broker web` for table `name` with `args`; waits until it listens on `port`.
+fn start_web(url: &str, name: &str, port: u16, args: &[&str]) -> std::process::Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args(["--url", url, "--table", name, "--payload", "payload"])
+        .args(["--locked-until", "locked_until", "--due-at", "due_at"])
+        .args(["--processed-at", "done_at", "--last-error", "last_error"])
+        .args(["--max-attempts", "1", "--dead-letter-column", "dead_at"])
+        .args(["web", "--listen", &format!("127.0.0.1:{port}")])
+        .args(args)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dashboard never listened"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    child
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The dashboard's pages, 24 at once, need the CLI's pool only: it holds at most two
+/// connections (one more listens for wake-ups), where it used to open sixteen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_holds_at_most_two_postgres_connections() {
+    let broker = broker_postgres::PgBackend::connect(&pg_url())
+        .await
+        .unwrap();
+    let t = table(&broker_testkit::unique_name("cli_pool"));
+    prepare(&broker, &t).await;
+    let app = broker_testkit::unique_name("cli_app");
+    let sep = if pg_url().contains('?') { '&' } else { '?' };
+    let url = format!("{}{sep}application_name={app}", pg_url());
+    let port = free_port();
+    let mut server = start_web(&url, t.name(), port, &[]);
+    let pages: Vec<_> = (0..24)
+        .map(|_| {
+            let path = format!("/queues/{}?state=due", t.name());
+            std::thread::spawn(move || http_get_as(port, &path, "127.0.0.1", None))
+        })
+        .collect();
+    for p in pages {
+        assert!(p.join().unwrap().starts_with("HTTP/1.0 200"));
+    }
+    // Idle pool connections stay open (sqlx closes them after 10 minutes): what the pool
+    // opened under the load is still there to count.
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query NOT ILIKE 'LISTEN%'",
+    )
+    .bind(&app)
+    .fetch_one(broker.pool())
+    .await
+    .unwrap();
+    server.kill().unwrap();
+    server.wait().unwrap();
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+    assert!((1..=2).contains(&open), "{open} connections");
+}
+
+/// One HTTP/1.0 GET with `host` as its Host header.
+fn http_get_as(port: u16, path: &str, host: &str, auth: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let auth = auth
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn a_short_or_empty_dashboard_token_is_refused() {
+    let url = "sqlite://does-not-matter.db";
+    for (token, env) in [(Some(""), None), (Some("short"), None), (None, Some(""))] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"));
+        c.args([
+            "--url",
+            url,
+            "--table",
+            "jobs",
+            "web",
+            "--listen",
+            "127.0.0.1:0",
+        ]);
+        if let Some(t) = token {
+            c.args(["--token", t]);
+        }
+        c.env_remove("SQLX_BROKER_WEB_TOKEN");
+        if let Some(e) = env {
+            c.env("SQLX_BROKER_WEB_TOKEN", e);
+        }
+        let o = c.output().unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{token:?} {env:?}: {}",
+            stderr(&o)
+        );
+        assert!(stderr(&o).contains("16 bytes"), "{}", stderr(&o));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_dashboard_without_a_token_answers_only_to_loopback_names() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-host"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = table("host_jobs");
+    prepare(&broker, &t).await;
+    broker.close().await;
+    let port = free_port();
+    let mut server = start_web(&url, t.name(), port, &["--allowed-host", "queues.internal"]);
+    let at = |host: &str| http_get_as(port, "/", host, None);
+    let rebound = at("attacker.example");
+    let rebound_with_port = at(&format!("attacker.example:{port}"));
+    let pages = [
+        at(&format!("127.0.0.1:{port}")),
+        at(&format!("localhost:{port}")),
+        at("LOCALHOST"),
+        at(&format!("[::1]:{port}")),
+        at("queues.internal"),
+    ];
+    server.kill().unwrap();
+    server.wait().unwrap();
+    for r in [&rebound, &rebound_with_port] {
+        assert!(r.starts_with("HTTP/1.0 403"), "{r}");
+        assert!(r.contains("--allowed-host"), "{r}");
+    }
+    for p in pages {
+        assert!(p.starts_with("HTTP/1.0 200"), "{p}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
