@@ -332,6 +332,9 @@ impl SqlxBrokerError {
             sqlx::Error::Tls(_) => {
                 "check the TLS settings in the URL (sslmode, ssl-mode) and the server's certificate"
             }
+            sqlx::Error::Database(db) if out_of_connections(&**db) => {
+                "the server has no connection to spare: every connection its limit allows (PostgreSQL's max_connections or a role's CONNECTION LIMIT; MySQL's max_connections or max_user_connections) is in use; close idle sessions, give workers and tools smaller pools, or raise the limit"
+            }
             sqlx::Error::Database(_) => {
                 "the server refused the session: check the user, password and database name in the URL"
             }
@@ -367,6 +370,17 @@ impl SqlxBrokerError {
     }
 }
 
+/// Whether a server refused a session because its connections are all in use: PostgreSQL's
+/// SQLSTATE 53300 (`too_many_connections`), MySQL's and MariaDB's 08004 (error 1040, "Too many
+/// connections") and their per-user limits (errors 1203 and 1226, whose SQLSTATE 42000 is
+/// shared with syntax errors, so they are known by their text).
+fn out_of_connections(db: &dyn sqlx::error::DatabaseError) -> bool {
+    let message = db.message().to_ascii_lowercase();
+    matches!(db.code().as_deref(), Some("53300" | "08004"))
+        || message.contains("too many connections")
+        || message.contains("max_user_connections")
+}
+
 /// A driver error as our messages show it. A database's error is its message and code, without
 /// PostgreSQL's "at line N": that is the line of the server's C source that raised it, which
 /// reads as a line of the user's SQL.
@@ -396,6 +410,65 @@ pub type Result<T, E = SqlxBrokerError> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's refusal with `code` and `message`, as a driver reports it.
+    #[derive(Debug)]
+    struct Refused(&'static str, &'static str);
+
+    impl std::fmt::Display for Refused {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.1)
+        }
+    }
+
+    impl std::error::Error for Refused {}
+
+    impl sqlx::error::DatabaseError for Refused {
+        fn message(&self) -> &str {
+            self.1
+        }
+        fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+            Some(self.0.into())
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    fn connect_hint(code: &'static str, message: &'static str) -> String {
+        let e = SqlxBrokerError::connect(
+            "test",
+            sqlx::Error::Database(Box::new(Refused(code, message))),
+        );
+        e.to_string()
+    }
+
+    #[test]
+    fn a_server_out_of_connections_is_not_blamed_on_the_credentials() {
+        for (code, message) in [
+            ("53300", "sorry, too many clients already"),
+            ("08004", "Too many connections"),
+            (
+                "42000",
+                "User 'app' has exceeded the 'max_user_connections' resource (current value: 2)",
+            ),
+        ] {
+            let msg = connect_hint(code, message);
+            assert!(msg.contains("no connection to spare"), "{msg}");
+            assert!(!msg.contains("password"), "{msg}");
+        }
+        let msg = connect_hint("28P01", "password authentication failed for user \"app\"");
+        assert!(msg.contains("check the user, password"), "{msg}");
+    }
 
     #[test]
     fn a_statement_of_no_table_never_names_an_empty_table() {
