@@ -358,7 +358,9 @@ impl<B: Backend, T> Queue<B, T> {
 
     /// Publishes rows as [`publish_batch`](Self::publish_batch) does (all or nothing, in one
     /// transaction), saying of each whether it was a duplicate. Two jobs of one batch with one
-    /// key make one row: the second is a duplicate of the first.
+    /// key make one row: the second is a duplicate of the first. A try the server undid (a
+    /// deadlock, a busy database) runs again, up to
+    /// [`PUBLISH_RETRIES`](crate::driver::retry::PUBLISH_RETRIES) times.
     pub async fn publish_unique_batch<P>(&self, jobs: &[NewJob<P>]) -> Result<Vec<Published>>
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
@@ -366,17 +368,32 @@ impl<B: Backend, T> Queue<B, T> {
         let table = &self.inner.shared.table;
         let backend = &self.inner.shared.broker.backend;
         let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
-        let done = if jobs.len() <= 1 {
-            // One statement is atomic on its own; no transaction round trips for it.
-            let mut conn = backend.pool().acquire().await.map_err(err)?;
-            self.publish_on(&mut conn, jobs).await?
-        } else {
-            let mut tx = backend.pool().begin().await.map_err(err)?;
-            // On error the transaction rolls back as it drops.
-            let done = self.publish_on(&mut tx, jobs).await?;
-            tx.commit().await.map_err(err)?;
-            done
+        // The connection and the transaction are the broker's own, so a try the server undid
+        // (a deadlock: on MariaDB two inserts of one key that waited on the row an ack was
+        // finishing) left nothing behind and runs again, up to `PUBLISH_RETRIES` times. A
+        // publish inside the caller's transaction cannot be run again by the broker: the
+        // server undid the whole transaction.
+        let class = |e: &SqlxBrokerError| {
+            e.sqlx_source()
+                .map_or(crate::driver::ErrorClass::Permanent, |s| {
+                    backend.classify(s)
+                })
         };
+        let retries = crate::driver::retry::PUBLISH_RETRIES;
+        let done = crate::driver::retry::transient_up_to(class, retries, || async {
+            if jobs.len() <= 1 {
+                // One statement is atomic on its own; no transaction round trips for it.
+                let mut conn = backend.pool().acquire().await.map_err(err)?;
+                self.publish_on(&mut conn, jobs).await
+            } else {
+                let mut tx = backend.pool().begin().await.map_err(err)?;
+                // On error the transaction rolls back as it drops.
+                let done = self.publish_on(&mut tx, jobs).await?;
+                tx.commit().await.map_err(err)?;
+                Ok(done)
+            }
+        })
+        .await?;
         self.wake();
         Ok(done)
     }
@@ -402,6 +419,13 @@ impl<B: Backend, T> Queue<B, T> {
     /// duplicate-key error rolls back only its own statement), so the caller's transaction
     /// goes on. A job whose key another open transaction has just published waits for that
     /// transaction to end (the unique index decides), as any insert of a duplicate key does.
+    ///
+    /// # Errors
+    /// A deadlock between publishers of one key (MySQL and MariaDB, beside an ack of that key's
+    /// row) undoes the caller's whole transaction; its error is transient (the backend's
+    /// `is_transient`): run the transaction again. The pool-connection forms
+    /// ([`publish_unique`](Self::publish_unique) and the rest) run such a publish again
+    /// themselves.
     pub async fn publish_unique_in<P>(
         &self,
         conn: &mut <B::Db as Database>::Connection,

@@ -191,6 +191,7 @@ macro_rules! conformance_suite {
                 eight_brokers_publishing_one_key_at_once_make_one_row,
                 a_finished_row_frees_its_key,
                 two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack,
+                eight_publishers_of_one_key_beside_an_acking_worker_never_fail,
             );
         }
     };
