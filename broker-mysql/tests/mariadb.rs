@@ -804,3 +804,14 @@ MariaDB thread id 99, OS thread handle 1, query id 1
     assert_eq!(ids, [46017, 12], "{open:?}");
     assert!(open[0].1.contains("4 row lock(s)"));
 }
+
+/// The conformance case of names and key pieces that end string literals, on sessions with
+/// `NO_BACKSLASH_ESCAPES` (the conformance suite runs it on the server's default, where a
+/// backslash escapes): the broker writes its own texts as hex, which reads the same either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_no_backslash_escapes_names_and_key_pieces_that_end_string_literals_work() {
+    broker_testkit::cases::names_and_key_pieces_that_end_string_literals_work_in_every_statement::<
+        common::MySqlNoBackslashEscapes,
+    >()
+    .await;
+}

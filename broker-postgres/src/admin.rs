@@ -22,13 +22,7 @@ use broker_core::{
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 
-use crate::sql::{due_key, ident, ts};
-
-/// A text as a SQL string literal (standard conforming strings: only quotes are doubled). For
-/// the broker's own texts (key template pieces), never for values from outside.
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
+use crate::sql::{due_key, ident, literal, ts};
 
 /// `expr` (a `TIMESTAMPTZ`) as unix ms, NULL when infinite.
 fn ms_or_null(expr: &str) -> String {
@@ -525,6 +519,22 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause.
+/// A plain statement with the name as a [`literal`], not a `DO` block: a dollar-quoted body
+/// would end early at a name that holds its tag.
+pub(crate) fn unpause_ddl(table: &str) -> String {
+    format!(
+        "DELETE FROM {CONTROL_TABLE} WHERE queue = {}",
+        literal(table)
+    )
+}
+
+/// Whether `sql` is [`unpause_ddl`]'s, which finds nothing to do where the control table was
+/// never created.
+pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
+    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+}
+
 impl AdminDriver for PgAdmin<'_> {
     /// Counts by state. Up to [`EXACT_ROWS`](broker_core::admin::EXACT_ROWS) rows (by the
     /// planner's estimate) every row is read and the counts are exact; past that, the counts
@@ -608,7 +618,7 @@ impl AdminDriver for PgAdmin<'_> {
         };
         let payload = match t.payload() {
             Some((p, broker_core::ColumnType::Bytes)) => {
-                format!("'\\x' || encode({}, 'hex')", f.col(p))
+                format!("{} || encode({}, 'hex')", literal("\\x"), f.col(p))
             }
             Some((p, _)) => format!("{}::text", f.col(p)),
             None => "NULL::text".into(),

@@ -98,6 +98,7 @@ macro_rules! conformance_suite {
                 a_statement_that_waits_shows_in_health_before_it_fails,
                 names_longer_than_the_database_keeps_are_refused,
                 a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
+                names_and_key_pieces_that_end_string_literals_work_in_every_statement,
             );
         }
         $crate::conformance_suite!(@server_plain $db; $server);
