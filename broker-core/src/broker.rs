@@ -562,12 +562,63 @@ impl<B: Backend, T> Queue<B, T> {
     }
 
     /// The rows in `state`, by id, a page at a time (pass the last id of a page as the next
-    /// page's `after`).
+    /// page's `after`). Each row's last error is read as a listing shows it: its first
+    /// [`LAST_ERROR_PREVIEW_CHARS`](crate::admin::LAST_ERROR_PREVIEW_CHARS) characters, cut by
+    /// the database, with [`JobInfo::last_error_cut`] set when there was more; read one row with
+    /// [`job`](Self::job) for more of it.
     ///
     /// # Errors
     /// [`SqlxBrokerError::Refused`] for a page of 0 or more than [`Page::MAX`] rows, dead letters
     /// of a table without a dead-letter target, and finished rows of a table whose acks delete.
     pub async fn jobs(&self, state: JobState, page: Page) -> Result<Vec<JobInfo>> {
+        self.list(state, page, crate::admin::LAST_ERROR_PREVIEW_CHARS)
+            .await
+    }
+
+    /// Row `id` as a listing shows it, with up to
+    /// [`LAST_ERROR_READ_CHARS`](crate::admin::LAST_ERROR_READ_CHARS) characters of its last
+    /// error (cut by the database; [`JobInfo::last_error_cut`] says whether there was more), or
+    /// `None` when there is no such row. It reads the row's state, then the row in that state;
+    /// a row that moved between the two reads (claimed, settled) is shown as the first read
+    /// saw it, without its payload and error.
+    pub async fn job(&self, id: i64) -> Result<Option<JobInfo>> {
+        let Some(row) = self.row_state(id).await? else {
+            return Ok(None);
+        };
+        let states: &[JobState] = if row.dead {
+            &[JobState::Dead]
+        } else if row.processed {
+            &[JobState::Finished]
+        } else {
+            &[JobState::InWork, JobState::Due, JobState::Scheduled]
+        };
+        let page = Page {
+            after: id.checked_sub(1),
+            limit: 1,
+        };
+        for &state in states {
+            let found = self
+                .list(state, page, crate::admin::LAST_ERROR_READ_CHARS)
+                .await?;
+            if let Some(job) = found.into_iter().next().filter(|j| j.id == id) {
+                return Ok(Some(job));
+            }
+        }
+        let state = if row.dead {
+            JobState::Dead
+        } else if row.processed {
+            JobState::Finished
+        } else {
+            JobState::InWork
+        };
+        let mut job = JobInfo::new(id, row.attempt, state);
+        job.due_ms = row.due_ms;
+        job.locked_until_ms = row.locked_until_ms;
+        Ok(Some(job))
+    }
+
+    /// [`jobs`](Self::jobs) reading `error_chars` characters of each last error.
+    async fn list(&self, state: JobState, page: Page, error_chars: usize) -> Result<Vec<JobInfo>> {
         let table = &self.inner.shared.table;
         if page.limit == 0 || page.limit > Page::MAX {
             return Err(self.refused(
@@ -593,7 +644,13 @@ impl<B: Backend, T> Queue<B, T> {
         }
         self.backend()
             .admin()
-            .list(table, state, page, crate::driver::clock::now_ms())
+            .list(
+                table,
+                state,
+                page,
+                error_chars,
+                crate::driver::clock::now_ms(),
+            )
             .await
     }
 

@@ -854,6 +854,7 @@ impl AdminDriver for MySqlAdmin<'_> {
         t: &TableDescription,
         state: JobState,
         page: Page,
+        error_chars: usize,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -919,7 +920,14 @@ impl AdminDriver for MySqlAdmin<'_> {
                     .advisory_lock()
                     .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
                 group = text_of(t.group()),
-                error = text_of(t.last_error()),
+                error = t.last_error().map_or_else(
+                    || "CAST(NULL AS CHAR)".into(),
+                    |c| format!(
+                        "LEFT(CAST({} AS CHAR), {})",
+                        f.col("q", c),
+                        error_chars.saturating_add(1)
+                    )
+                ),
             ))
             .and(&filter)
             .push(&format!(" AND q.{} > ", f.id))
@@ -937,8 +945,7 @@ impl AdminDriver for MySqlAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
+                Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))

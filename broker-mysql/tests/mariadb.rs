@@ -815,3 +815,57 @@ async fn with_no_backslash_escapes_names_and_key_pieces_that_end_string_literals
     >()
     .await;
 }
+
+/// The server's count of the bytes it sent this session (`Bytes_sent`), read on `pool`'s one
+/// connection.
+async fn bytes_sent(pool: &sqlx::MySqlPool) -> i64 {
+    let row: (String, String) = sqlx::query_as("SHOW SESSION STATUS LIKE 'Bytes_sent'")
+        .fetch_one(pool)
+        .await
+        .expect("read Bytes_sent");
+    row.1.parse().expect("a number")
+}
+
+/// A long `last_error` is cut by the server, not after it arrived: a listing of a row with
+/// 60,000 bytes of error receives a few kilobytes (the pool has one connection, so the
+/// session's `Bytes_sent` counts the listing alone, with the one status read before it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_listing_receives_only_the_preview_of_a_long_last_error() {
+    let fx = fixture(ClaimMode::Lease, |b| b.last_error("last_error")).await;
+    let id = fx
+        .queue()
+        .await
+        .publish(NewJob::new("p".to_owned()))
+        .await
+        .unwrap();
+    let sql = format!(
+        "UPDATE `{}` SET last_error = REPEAT('e', 60000) WHERE id = ?",
+        fx.table.name()
+    );
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .execute(fx.broker.pool())
+        .await
+        .unwrap();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(MySqlBackend::connect_options(&fx.url).unwrap())
+        .await
+        .unwrap();
+    let broker = Broker::new(MySqlBackend::new(pool.clone()));
+    let q = broker.queue::<Job>(fx.table.clone()).await.unwrap();
+    let before = bytes_sent(&pool).await;
+    let listed = q
+        .jobs(broker_core::JobState::Due, broker_core::Page::first(10))
+        .await
+        .unwrap();
+    let sent = bytes_sent(&pool).await - before;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].last_error_cut);
+    assert!(
+        sent < 10_000,
+        "the server sent {sent} bytes for a listing of one row"
+    );
+    broker.close().await;
+    fx.cleanup().await;
+}

@@ -573,6 +573,7 @@ impl AdminDriver for PgAdmin<'_> {
         t: &TableDescription,
         state: JobState,
         page: Page,
+        error_chars: usize,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -639,7 +640,16 @@ impl AdminDriver for PgAdmin<'_> {
                 .advisory_lock()
                 .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
             group = text_of(t.group()),
-            error = text_of(t.last_error()),
+            // `substr` rather than `left`: it fetches only the slice it needs of a value
+            // stored out of line, where `left` would read all of it first.
+            error = t.last_error().map_or_else(
+                || "NULL::text".into(),
+                |c| format!(
+                    "substr({}::text, 1, {})",
+                    f.col(c),
+                    error_chars.saturating_add(1)
+                )
+            ),
             cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
             with = f.held_locks(),
         );
@@ -660,8 +670,7 @@ impl AdminDriver for PgAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
+                Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))
