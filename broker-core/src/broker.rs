@@ -68,14 +68,23 @@ impl<B: Backend> Broker<B> {
 
     /// Prepares a table: checks the server version, the table and its columns, and prepares
     /// every statement of its mode. Handlers read rows as `T` (use [`Payload`](crate::Payload)
-    /// to read just the payload column).
-    pub async fn queue<T>(&self, table: TableDescription) -> Result<Queue<B, T>> {
+    /// to read just the payload column; `()` for a queue that is only operated on).
+    ///
+    /// # Errors
+    /// Besides the startup checks, [`SqlxBrokerError::Schema`] when `T` is a
+    /// [`Payload`](crate::Payload) of a type the payload column's SQL type does not decode into
+    /// (`Payload<String>` over a `BIGINT` column, say), naming the column and both types.
+    pub async fn queue<T>(&self, table: TableDescription) -> Result<Queue<B, T>>
+    where
+        T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+    {
         let table = Arc::new(table);
         self.check_offered(&table)?;
         self.inner.backend.check_names(&table)?;
         let (prepared, warnings) =
             crate::warnings::collecting(self.inner.backend.prepare(&table)).await;
         let prepared = prepared?;
+        self.check_row_type::<T>(&table).await?;
         Ok(Queue {
             inner: Arc::new(QueueInner {
                 shared: Arc::new(Shared::new(self.inner.clone(), table, warnings)),
@@ -83,6 +92,33 @@ impl<B: Backend> Broker<B> {
             }),
             _row: PhantomData,
         })
+    }
+
+    /// Decodes the backend's payload probe (a NULL of the payload column's type) as `T`, and
+    /// refuses `T` when it is a [`Payload`](crate::Payload) that cannot read that type. Any
+    /// other outcome passes: a row type of its own may read other columns, which the probe
+    /// lacks, and a probe that cannot run leaves the check to the first claim.
+    async fn check_row_type<T>(&self, table: &TableDescription) -> Result<()>
+    where
+        T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+    {
+        let Some(row) = self.inner.backend.payload_probe(table).await else {
+            return Ok(());
+        };
+        match T::from_row(&row) {
+            Err(e) if crate::payload::is_type_mismatch(&e) => {
+                let column = table.payload().map_or("", |(c, _)| c);
+                Err(SqlxBrokerError::Schema {
+                    table: table.name().to_owned(),
+                    what: format!(
+                        "the queue's row type cannot read the payload column \"{column}\""
+                    ),
+                    statement: "row type check",
+                    source: crate::payload::naming_columns(table, e),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Checks the deployment for `table`: every check with pass, warn or fail, what it found,

@@ -406,6 +406,17 @@ impl Backend for PgBackend {
         table.check_name_lengths("PostgreSQL", 63, "bytes", str::len)
     }
 
+    async fn payload_probe(&self, table: &TableDescription) -> Option<PgRow> {
+        let (payload, _) = table.payload()?;
+        let sql = broker_core::driver::payload_probe_sql(&ident(table.name()), &ident(payload));
+        // The simple protocol: no statement to name, so it passes through any pooler.
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_optional(&self.pool)
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let pooled = self.detect_pooler(table.name()).await?;
         let prepared = !pooled;

@@ -235,6 +235,16 @@ impl Backend for SqliteBackend {
         &self.pool
     }
 
+    async fn payload_probe(&self, table: &TableDescription) -> Option<SqliteRow> {
+        let (payload, _) = table.payload()?;
+        let sql = broker_core::driver::payload_probe_sql(&ident(table.name()), &ident(payload));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .fetch_optional(&self.pool)
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let mut conn = acquire(&self.pool, table.name()).await?;
         let found: String = sqlx::query_scalar("SELECT sqlite_version()")

@@ -100,6 +100,7 @@ macro_rules! conformance_suite {
                 a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
                 names_and_key_pieces_that_end_string_literals_work_in_every_statement,
                 a_long_last_error_is_cut_when_read_and_the_read_says_so,
+                a_payload_type_the_column_cannot_read_is_refused_naming_the_column,
             );
         }
         $crate::conformance_suite!(@server_plain $db; $server);

@@ -71,6 +71,17 @@ pub fn missing_columns(
     }
 }
 
+/// The statement of [`Backend::payload_probe`] for a table and payload column quoted in the
+/// backend's dialect: one row whose only column is the payload column, NULL, aliased as a claim
+/// aliases it ([`alias::PAYLOAD`]). The false join keeps the column's type in the row's
+/// description whatever the table holds.
+pub fn payload_probe_sql(table: &str, column: &str) -> String {
+    format!(
+        "SELECT q.{column} AS {} FROM (SELECT 1 AS sqlx_broker_one) AS o LEFT JOIN {table} AS q ON 1 = 0",
+        alias::PAYLOAD
+    )
+}
+
 /// Column aliases every backend gives the broker's own columns in a claimed row, so core code
 /// and [`Payload`](crate::Payload) can read them whatever the table calls them.
 pub mod alias {
@@ -675,6 +686,19 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     fn check_names(&self, table: &TableDescription) -> Result<()> {
         let _ = table;
         Ok(())
+    }
+
+    /// One row holding the table's payload column as a claim reads it, NULL (the statement of
+    /// [`payload_probe_sql`] in the backend's quoting): [`Broker::queue`](crate::Broker::queue)
+    /// decodes it as the queue's row type, so that a [`Payload`](crate::Payload) of a type the
+    /// column does not decode into is refused before any row is claimed. `None` (the default; a
+    /// table without a payload column; a probe that failed) skips that check.
+    fn payload_probe(
+        &self,
+        table: &TableDescription,
+    ) -> impl Future<Output = Option<<Self::Db as Database>::Row>> + Send {
+        let _ = table;
+        async { None }
     }
 
     /// Checks the server version, the table and its columns, and prepares every statement of
