@@ -177,9 +177,16 @@ impl<B: Backend> Broker<B> {
         crate::DoctorReport { checks }
     }
 
-    /// The DDL for a description (see [`Backend::ddl`]).
-    pub fn ddl(&self, table: &TableDescription) -> Vec<String> {
-        self.inner.backend.ddl(table)
+    /// The DDL for a description (see [`Backend::ddl`]): what
+    /// [`create_tables`](Self::create_tables) runs.
+    ///
+    /// # Errors
+    /// What `create_tables` refuses before it runs anything, with the same error: a claim mode
+    /// the database does not offer, names too long for it.
+    pub fn ddl(&self, table: &TableDescription) -> Result<Vec<String>> {
+        self.check_offered(table)?;
+        self.inner.backend.check_names(table)?;
+        Ok(self.inner.backend.ddl(table))
     }
 
     /// Refuses a table whose claim mode the database does not offer, as [`queue`](Self::queue)
@@ -202,9 +209,7 @@ impl<B: Backend> Broker<B> {
     /// claim mode the database does not offer, names too long for it) is refused here with the
     /// same error, and nothing is created.
     pub async fn create_tables(&self, table: &TableDescription) -> Result<()> {
-        self.check_offered(table)?;
-        self.inner.backend.check_names(table)?;
-        let ddl = self.inner.backend.ddl(table);
+        let ddl = self.ddl(table)?;
         self.inner
             .backend
             .execute_ddl(&ddl)

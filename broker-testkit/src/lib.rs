@@ -101,6 +101,7 @@ macro_rules! conformance_suite {
                 names_and_key_pieces_that_end_string_literals_work_in_every_statement,
                 a_long_last_error_is_cut_when_read_and_the_read_says_so,
                 a_payload_type_the_column_cannot_read_is_refused_naming_the_column,
+                the_ddl_helper_refuses_what_create_tables_refuses_with_the_same_error,
             );
         }
         $crate::conformance_suite!(@server_plain $db; $server);
