@@ -602,7 +602,7 @@ impl Backend for MySqlBackend {
                 Ok(_) => {}
                 // No control table (the queue's tables were made by hand): no pause to delete.
                 Err(e)
-                    if crate::admin::is_unpause_ddl(sql)
+                    if broker_core::driver::is_unpause_ddl(sql)
                         && crate::sql::error_number(&e) == Some(1146) => {}
                 Err(e) => {
                     conn.finish();

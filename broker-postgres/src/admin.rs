@@ -519,20 +519,11 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
-/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause.
-/// A plain statement with the name as a [`literal`], not a `DO` block: a dollar-quoted body
-/// would end early at a name that holds its tag.
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
+/// (see [`broker_core::driver::unpause_ddl`]). Not a `DO` block, as it was: a name holding the
+/// block's dollar-quote tag ended its body early.
 pub(crate) fn unpause_ddl(table: &str) -> String {
-    format!(
-        "DELETE FROM {CONTROL_TABLE} WHERE queue = {}",
-        literal(table)
-    )
-}
-
-/// Whether `sql` is [`unpause_ddl`]'s, which finds nothing to do where the control table was
-/// never created.
-pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
-    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+    broker_core::driver::unpause_ddl(&literal(table))
 }
 
 impl AdminDriver for PgAdmin<'_> {

@@ -780,7 +780,7 @@ impl Backend for PgBackend {
                     if sql.contains("IF NOT EXISTS") && e.code().as_deref() == Some("23505") => {}
                 // No control table (the queue's tables were made by hand): no pause to delete.
                 Err(sqlx::Error::Database(e))
-                    if crate::admin::is_unpause_ddl(sql)
+                    if broker_core::driver::is_unpause_ddl(sql)
                         && e.code().as_deref() == Some("42P01") => {}
                 Err(e) => return Err(SqlxBrokerError::ddl(sql, e)),
             }

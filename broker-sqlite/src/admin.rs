@@ -480,18 +480,10 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
-/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause.
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
+/// (see [`broker_core::driver::unpause_ddl`]).
 pub(crate) fn unpause_ddl(table: &str) -> String {
-    format!(
-        "DELETE FROM {CONTROL_TABLE} WHERE queue = {}",
-        literal(table)
-    )
-}
-
-/// Whether `sql` is [`unpause_ddl`]'s, which finds nothing to do where the control table was
-/// never created.
-pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
-    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+    broker_core::driver::unpause_ddl(&literal(table))
 }
 
 impl AdminDriver for SqliteAdmin<'_> {

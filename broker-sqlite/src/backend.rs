@@ -501,7 +501,7 @@ impl Backend for SqliteBackend {
                 Ok(_) => {}
                 // No control table (the queue's tables were made by hand): no pause to delete.
                 Err(sqlx::Error::Database(e))
-                    if crate::admin::is_unpause_ddl(sql)
+                    if broker_core::driver::is_unpause_ddl(sql)
                         && e.message().contains("no such table") => {}
                 Err(e) => return Err(SqlxBrokerError::ddl(sql, e)),
             }

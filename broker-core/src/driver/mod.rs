@@ -816,6 +816,19 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 /// table name, when it was paused (unix ms) and by whom.
 pub const CONTROL_TABLE: &str = "sqlx_broker_control";
 
+/// The statement of a backend's [`drop_ddl`](Backend::drop_ddl) that deletes a dropped queue's
+/// pause, the queue's name given as a string literal of the backend's dialect: a plain
+/// statement (no procedural block whose quoting a name could end), which fails where the
+/// control table was never created; a backend skips that error ([`is_unpause_ddl`]).
+pub fn unpause_ddl(queue_literal: &str) -> String {
+    format!("DELETE FROM {CONTROL_TABLE} WHERE queue = {queue_literal}")
+}
+
+/// Whether `sql` is [`unpause_ddl`]'s.
+pub fn is_unpause_ddl(sql: &str) -> bool {
+    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+}
+
 /// Row counts by state, as a backend reads them for [`AdminDriver::stats`]; the core adds the
 /// table, the clock and the pause to make a [`QueueStats`](crate::QueueStats).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

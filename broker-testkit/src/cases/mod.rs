@@ -54,6 +54,19 @@ use broker_core::{Delivery, Queue};
 
 use crate::TestDb;
 
+/// Waits (bounded) until `sub` reports a claimed row that did not decode.
+pub(crate) async fn wait_for_a_decode_error(sub: &broker_core::Subscription) {
+    crate::wait_until(
+        "the decode error shows in health()",
+        std::time::Duration::from_secs(30),
+        || {
+            let h = sub.health();
+            async move { h.decode_errors_in_a_row > 0 }
+        },
+    )
+    .await;
+}
+
 /// Claims one delivery, waiting (bounded) until one is due.
 pub(crate) async fn claim_one<D: TestDb>(queue: &Queue<D::B, D::Job>) -> Delivery<D::B, D::Job> {
     crate::claim_one(queue).await

@@ -9,7 +9,7 @@ use broker_core::{
 
 use sqlx::{Database, Encode, FromRow, Type};
 
-use crate::{DbOf, Fixture, TestDb, wait_until};
+use crate::{DbOf, Fixture, TestDb};
 
 /// A `Payload<String>` over a `BIGINT` payload column is refused by `queue()`, naming the column
 /// (not the claim's alias for it) and both types; `Payload<i64>` reads it. A row type of its own
@@ -62,15 +62,7 @@ where
             |_job| async { Outcome::Ack },
         )
         .expect("subscribe");
-    wait_until(
-        "the decode error shows in health()",
-        Duration::from_secs(30),
-        || {
-            let h = sub.health();
-            async move { h.decode_errors_in_a_row > 0 }
-        },
-    )
-    .await;
+    super::wait_for_a_decode_error(&sub).await;
     let last = sub.health().last_decode_error.unwrap_or_default();
     sub.shutdown().await;
     assert!(
