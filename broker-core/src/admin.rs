@@ -179,6 +179,17 @@ pub const PAYLOAD_PREVIEW_BYTES: usize = 4096;
 /// Error text a `last_error` column keeps at most, in bytes (cut at a character boundary).
 pub const LAST_ERROR_BYTES: usize = 1000;
 
+/// Characters of a row's `last_error` that a listing ([`Queue::jobs`](crate::Queue::jobs))
+/// reads, as much as a listing shows: the database cuts the text (other software may have
+/// written megabytes), and [`JobInfo::last_error_cut`] says it did.
+pub const LAST_ERROR_PREVIEW_CHARS: usize = 160;
+
+/// Characters of a row's `last_error` that the one-row read ([`Queue::job`](crate::Queue::job))
+/// reads at most: all of what the broker writes ([`LAST_ERROR_BYTES`]), and a bounded prefix of
+/// what other software wrote. The database cuts the text; [`JobInfo::last_error_cut`] says it
+/// did.
+pub const LAST_ERROR_READ_CHARS: usize = 16_384;
+
 /// One row, as a listing shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -206,8 +217,12 @@ pub struct JobInfo {
     pub payload: Option<String>,
     /// Whether the payload was cut.
     pub payload_cut: bool,
-    /// The handler's last error, where the table has a `last_error` column.
+    /// The handler's last error, where the table has a `last_error` column, cut to
+    /// [`LAST_ERROR_PREVIEW_CHARS`] in a listing and to [`LAST_ERROR_READ_CHARS`] in a one-row
+    /// read.
     pub last_error: Option<String>,
+    /// Whether the last error was cut.
+    pub last_error_cut: bool,
 }
 
 impl JobInfo {
@@ -225,7 +240,22 @@ impl JobInfo {
             payload: None,
             payload_cut: false,
             last_error: None,
+            last_error_cut: false,
         }
+    }
+
+    /// Sets the last error from a read of at most `chars` + 1 characters, keeping `chars` of
+    /// them and saying whether there were more (backends read one character past what they keep,
+    /// so that a text of exactly `chars` is not marked cut).
+    pub fn with_last_error(mut self, text: Option<String>, chars: usize) -> Self {
+        if let Some(mut t) = text {
+            if let Some((end, _)) = t.char_indices().nth(chars) {
+                t.truncate(end);
+                self.last_error_cut = true;
+            }
+            self.last_error = Some(t);
+        }
+        self
     }
 
     /// Sets the payload preview, cutting it to [`PAYLOAD_PREVIEW_BYTES`].
@@ -324,6 +354,16 @@ mod tests {
         let info = JobInfo::new(1, 1, JobState::Due).with_payload(Some("ü".repeat(3000)));
         assert!(info.payload_cut);
         assert!(info.payload.unwrap().len() <= PAYLOAD_PREVIEW_BYTES);
+        let info = JobInfo::new(1, 1, JobState::Due).with_last_error(Some("ü".repeat(5)), 4);
+        assert_eq!(
+            (info.last_error.as_deref(), info.last_error_cut),
+            (Some("üüüü"), true)
+        );
+        let info = JobInfo::new(1, 1, JobState::Due).with_last_error(Some("ü".repeat(4)), 4);
+        assert_eq!(
+            (info.last_error.as_deref(), info.last_error_cut),
+            (Some("üüüü"), false)
+        );
     }
 
     #[test]

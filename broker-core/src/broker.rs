@@ -68,14 +68,23 @@ impl<B: Backend> Broker<B> {
 
     /// Prepares a table: checks the server version, the table and its columns, and prepares
     /// every statement of its mode. Handlers read rows as `T` (use [`Payload`](crate::Payload)
-    /// to read just the payload column).
-    pub async fn queue<T>(&self, table: TableDescription) -> Result<Queue<B, T>> {
+    /// to read just the payload column; `()` for a queue that is only operated on).
+    ///
+    /// # Errors
+    /// Besides the startup checks, [`SqlxBrokerError::Schema`] when `T` is a
+    /// [`Payload`](crate::Payload) of a type the payload column's SQL type does not decode into
+    /// (`Payload<String>` over a `BIGINT` column, say), naming the column and both types.
+    pub async fn queue<T>(&self, table: TableDescription) -> Result<Queue<B, T>>
+    where
+        T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+    {
         let table = Arc::new(table);
         self.check_offered(&table)?;
         self.inner.backend.check_names(&table)?;
         let (prepared, warnings) =
             crate::warnings::collecting(self.inner.backend.prepare(&table)).await;
         let prepared = prepared?;
+        self.check_row_type::<T>(&table).await?;
         Ok(Queue {
             inner: Arc::new(QueueInner {
                 shared: Arc::new(Shared::new(self.inner.clone(), table, warnings)),
@@ -83,6 +92,33 @@ impl<B: Backend> Broker<B> {
             }),
             _row: PhantomData,
         })
+    }
+
+    /// Decodes the backend's payload probe (a NULL of the payload column's type) as `T`, and
+    /// refuses `T` when it is a [`Payload`](crate::Payload) that cannot read that type. Any
+    /// other outcome passes: a row type of its own may read other columns, which the probe
+    /// lacks, and a probe that cannot run leaves the check to the first claim.
+    async fn check_row_type<T>(&self, table: &TableDescription) -> Result<()>
+    where
+        T: for<'r> FromRow<'r, <B::Db as Database>::Row>,
+    {
+        let Some(row) = self.inner.backend.payload_probe(table).await else {
+            return Ok(());
+        };
+        match T::from_row(&row) {
+            Err(e) if crate::payload::is_type_mismatch(&e) => {
+                let column = table.payload().map_or("", |(c, _)| c);
+                Err(SqlxBrokerError::Schema {
+                    table: table.name().to_owned(),
+                    what: format!(
+                        "the queue's row type cannot read the payload column \"{column}\""
+                    ),
+                    statement: "row type check",
+                    source: crate::payload::naming_columns(table, e),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Checks the deployment for `table`: every check with pass, warn or fail, what it found,
@@ -141,9 +177,16 @@ impl<B: Backend> Broker<B> {
         crate::DoctorReport { checks }
     }
 
-    /// The DDL for a description (see [`Backend::ddl`]).
-    pub fn ddl(&self, table: &TableDescription) -> Vec<String> {
-        self.inner.backend.ddl(table)
+    /// The DDL for a description (see [`Backend::ddl`]): what
+    /// [`create_tables`](Self::create_tables) runs.
+    ///
+    /// # Errors
+    /// What `create_tables` refuses before it runs anything, with the same error: a claim mode
+    /// the database does not offer, names too long for it.
+    pub fn ddl(&self, table: &TableDescription) -> Result<Vec<String>> {
+        self.check_offered(table)?;
+        self.inner.backend.check_names(table)?;
+        Ok(self.inner.backend.ddl(table))
     }
 
     /// Refuses a table whose claim mode the database does not offer, as [`queue`](Self::queue)
@@ -166,9 +209,7 @@ impl<B: Backend> Broker<B> {
     /// claim mode the database does not offer, names too long for it) is refused here with the
     /// same error, and nothing is created.
     pub async fn create_tables(&self, table: &TableDescription) -> Result<()> {
-        self.check_offered(table)?;
-        self.inner.backend.check_names(table)?;
-        let ddl = self.inner.backend.ddl(table);
+        let ddl = self.ddl(table)?;
         self.inner
             .backend
             .execute_ddl(&ddl)
@@ -358,7 +399,9 @@ impl<B: Backend, T> Queue<B, T> {
 
     /// Publishes rows as [`publish_batch`](Self::publish_batch) does (all or nothing, in one
     /// transaction), saying of each whether it was a duplicate. Two jobs of one batch with one
-    /// key make one row: the second is a duplicate of the first.
+    /// key make one row: the second is a duplicate of the first. A try the server undid (a
+    /// deadlock, a busy database) runs again, up to
+    /// [`PUBLISH_RETRIES`](crate::driver::retry::PUBLISH_RETRIES) times.
     pub async fn publish_unique_batch<P>(&self, jobs: &[NewJob<P>]) -> Result<Vec<Published>>
     where
         P: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db> + Send + Sync,
@@ -366,17 +409,32 @@ impl<B: Backend, T> Queue<B, T> {
         let table = &self.inner.shared.table;
         let backend = &self.inner.shared.broker.backend;
         let err = |e| SqlxBrokerError::statement(table.name(), "publish", e);
-        let done = if jobs.len() <= 1 {
-            // One statement is atomic on its own; no transaction round trips for it.
-            let mut conn = backend.pool().acquire().await.map_err(err)?;
-            self.publish_on(&mut conn, jobs).await?
-        } else {
-            let mut tx = backend.pool().begin().await.map_err(err)?;
-            // On error the transaction rolls back as it drops.
-            let done = self.publish_on(&mut tx, jobs).await?;
-            tx.commit().await.map_err(err)?;
-            done
+        // The connection and the transaction are the broker's own, so a try the server undid
+        // (a deadlock: on MariaDB two inserts of one key that waited on the row an ack was
+        // finishing) left nothing behind and runs again, up to `PUBLISH_RETRIES` times. A
+        // publish inside the caller's transaction cannot be run again by the broker: the
+        // server undid the whole transaction.
+        let class = |e: &SqlxBrokerError| {
+            e.sqlx_source()
+                .map_or(crate::driver::ErrorClass::Permanent, |s| {
+                    backend.classify(s)
+                })
         };
+        let retries = crate::driver::retry::PUBLISH_RETRIES;
+        let done = crate::driver::retry::transient_up_to(class, retries, || async {
+            if jobs.len() <= 1 {
+                // One statement is atomic on its own; no transaction round trips for it.
+                let mut conn = backend.pool().acquire().await.map_err(err)?;
+                self.publish_on(&mut conn, jobs).await
+            } else {
+                let mut tx = backend.pool().begin().await.map_err(err)?;
+                // On error the transaction rolls back as it drops.
+                let done = self.publish_on(&mut tx, jobs).await?;
+                tx.commit().await.map_err(err)?;
+                Ok(done)
+            }
+        })
+        .await?;
         self.wake();
         Ok(done)
     }
@@ -402,6 +460,13 @@ impl<B: Backend, T> Queue<B, T> {
     /// duplicate-key error rolls back only its own statement), so the caller's transaction
     /// goes on. A job whose key another open transaction has just published waits for that
     /// transaction to end (the unique index decides), as any insert of a duplicate key does.
+    ///
+    /// # Errors
+    /// A deadlock between publishers of one key (MySQL and MariaDB, beside an ack of that key's
+    /// row) undoes the caller's whole transaction; its error is transient (the backend's
+    /// `is_transient`): run the transaction again. The pool-connection forms
+    /// ([`publish_unique`](Self::publish_unique) and the rest) run such a publish again
+    /// themselves.
     pub async fn publish_unique_in<P>(
         &self,
         conn: &mut <B::Db as Database>::Connection,
@@ -538,12 +603,63 @@ impl<B: Backend, T> Queue<B, T> {
     }
 
     /// The rows in `state`, by id, a page at a time (pass the last id of a page as the next
-    /// page's `after`).
+    /// page's `after`). Each row's last error is read as a listing shows it: its first
+    /// [`LAST_ERROR_PREVIEW_CHARS`](crate::admin::LAST_ERROR_PREVIEW_CHARS) characters, cut by
+    /// the database, with [`JobInfo::last_error_cut`] set when there was more; read one row with
+    /// [`job`](Self::job) for more of it.
     ///
     /// # Errors
     /// [`SqlxBrokerError::Refused`] for a page of 0 or more than [`Page::MAX`] rows, dead letters
     /// of a table without a dead-letter target, and finished rows of a table whose acks delete.
     pub async fn jobs(&self, state: JobState, page: Page) -> Result<Vec<JobInfo>> {
+        self.list(state, page, crate::admin::LAST_ERROR_PREVIEW_CHARS)
+            .await
+    }
+
+    /// Row `id` as a listing shows it, with up to
+    /// [`LAST_ERROR_READ_CHARS`](crate::admin::LAST_ERROR_READ_CHARS) characters of its last
+    /// error (cut by the database; [`JobInfo::last_error_cut`] says whether there was more), or
+    /// `None` when there is no such row. It reads the row's state, then the row in that state;
+    /// a row that moved between the two reads (claimed, settled) is shown as the first read
+    /// saw it, without its payload and error.
+    pub async fn job(&self, id: i64) -> Result<Option<JobInfo>> {
+        let Some(row) = self.row_state(id).await? else {
+            return Ok(None);
+        };
+        let states: &[JobState] = if row.dead {
+            &[JobState::Dead]
+        } else if row.processed {
+            &[JobState::Finished]
+        } else {
+            &[JobState::InWork, JobState::Due, JobState::Scheduled]
+        };
+        let page = Page {
+            after: id.checked_sub(1),
+            limit: 1,
+        };
+        for &state in states {
+            let found = self
+                .list(state, page, crate::admin::LAST_ERROR_READ_CHARS)
+                .await?;
+            if let Some(job) = found.into_iter().next().filter(|j| j.id == id) {
+                return Ok(Some(job));
+            }
+        }
+        let state = if row.dead {
+            JobState::Dead
+        } else if row.processed {
+            JobState::Finished
+        } else {
+            JobState::InWork
+        };
+        let mut job = JobInfo::new(id, row.attempt, state);
+        job.due_ms = row.due_ms;
+        job.locked_until_ms = row.locked_until_ms;
+        Ok(Some(job))
+    }
+
+    /// [`jobs`](Self::jobs) reading `error_chars` characters of each last error.
+    async fn list(&self, state: JobState, page: Page, error_chars: usize) -> Result<Vec<JobInfo>> {
         let table = &self.inner.shared.table;
         if page.limit == 0 || page.limit > Page::MAX {
             return Err(self.refused(
@@ -569,7 +685,13 @@ impl<B: Backend, T> Queue<B, T> {
         }
         self.backend()
             .admin()
-            .list(table, state, page, crate::driver::clock::now_ms())
+            .list(
+                table,
+                state,
+                page,
+                error_chars,
+                crate::driver::clock::now_ms(),
+            )
             .await
     }
 

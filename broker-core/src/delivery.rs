@@ -324,7 +324,10 @@ where
         let decoded = if spent || settle_keeps_failing {
             None
         } else {
-            Some(T::from_row(&claimed.row))
+            Some(
+                T::from_row(&claimed.row)
+                    .map_err(|e| crate::payload::naming_columns(&queue.table, e)),
+            )
         };
         match &decoded {
             Some(Ok(_)) => queue

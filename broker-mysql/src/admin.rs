@@ -802,18 +802,10 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
-/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause.
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
+/// (see [`broker_core::driver::unpause_ddl`]).
 pub(crate) fn unpause_ddl(table: &str) -> String {
-    format!(
-        "DELETE FROM {CONTROL_TABLE} WHERE queue = {}",
-        literal(table)
-    )
-}
-
-/// Whether `sql` is [`unpause_ddl`]'s, which finds nothing to do where the control table was
-/// never created.
-pub(crate) fn is_unpause_ddl(sql: &str) -> bool {
-    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+    broker_core::driver::unpause_ddl(&literal(table))
 }
 
 impl AdminDriver for MySqlAdmin<'_> {
@@ -854,6 +846,7 @@ impl AdminDriver for MySqlAdmin<'_> {
         t: &TableDescription,
         state: JobState,
         page: Page,
+        error_chars: usize,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -919,7 +912,14 @@ impl AdminDriver for MySqlAdmin<'_> {
                     .advisory_lock()
                     .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
                 group = text_of(t.group()),
-                error = text_of(t.last_error()),
+                error = t.last_error().map_or_else(
+                    || "CAST(NULL AS CHAR)".into(),
+                    |c| format!(
+                        "LEFT(CAST({} AS CHAR), {})",
+                        f.col("q", c),
+                        error_chars.saturating_add(1)
+                    )
+                ),
             ))
             .and(&filter)
             .push(&format!(" AND q.{} > ", f.id))
@@ -937,8 +937,7 @@ impl AdminDriver for MySqlAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
+                Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))

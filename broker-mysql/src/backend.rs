@@ -329,6 +329,17 @@ impl Backend for MySqlBackend {
         table.check_name_lengths("MySQL / MariaDB", 64, "characters", |n| n.chars().count())
     }
 
+    async fn payload_probe(&self, table: &TableDescription) -> Option<MySqlRow> {
+        let (payload, _) = table.payload()?;
+        let sql = broker_core::driver::payload_probe_sql(&ident(table.name()), &ident(payload));
+        let mut conn = Conn::acquire(&self.pool, table.name()).await.ok()?;
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .fetch_optional(&mut *conn)
+            .await;
+        conn.finish();
+        row.ok().flatten()
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let mut conn = Conn::acquire(&self.pool, table.name()).await?;
         let out = self.prepare_on(&mut conn, table).await;
@@ -591,7 +602,7 @@ impl Backend for MySqlBackend {
                 Ok(_) => {}
                 // No control table (the queue's tables were made by hand): no pause to delete.
                 Err(e)
-                    if crate::admin::is_unpause_ddl(sql)
+                    if broker_core::driver::is_unpause_ddl(sql)
                         && crate::sql::error_number(&e) == Some(1146) => {}
                 Err(e) => {
                     conn.finish();

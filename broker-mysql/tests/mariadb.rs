@@ -804,3 +804,94 @@ MariaDB thread id 99, OS thread handle 1, query id 1
     assert_eq!(ids, [46017, 12], "{open:?}");
     assert!(open[0].1.contains("4 row lock(s)"));
 }
+
+/// The conformance case of names and key pieces that end string literals, on sessions with
+/// `NO_BACKSLASH_ESCAPES` (the conformance suite runs it on the server's default, where a
+/// backslash escapes): the broker writes its own texts as hex, which reads the same either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_no_backslash_escapes_names_and_key_pieces_that_end_string_literals_work() {
+    broker_testkit::cases::names_and_key_pieces_that_end_string_literals_work_in_every_statement::<
+        common::MySqlNoBackslashEscapes,
+    >()
+    .await;
+}
+
+/// The server's count of the bytes it sent this session (`Bytes_sent`), read on `pool`'s one
+/// connection.
+async fn bytes_sent(pool: &sqlx::MySqlPool) -> i64 {
+    let row: (String, String) = sqlx::query_as("SHOW SESSION STATUS LIKE 'Bytes_sent'")
+        .fetch_one(pool)
+        .await
+        .expect("read Bytes_sent");
+    row.1.parse().expect("a number")
+}
+
+/// A long `last_error` is cut by the server, not after it arrived: a listing of a row with
+/// 60,000 bytes of error receives a few kilobytes (the pool has one connection, so the
+/// session's `Bytes_sent` counts the listing alone, with the one status read before it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_listing_receives_only_the_preview_of_a_long_last_error() {
+    let fx = fixture(ClaimMode::Lease, |b| b.last_error("last_error")).await;
+    let id = fx
+        .queue()
+        .await
+        .publish(NewJob::new("p".to_owned()))
+        .await
+        .unwrap();
+    let sql = format!(
+        "UPDATE `{}` SET last_error = REPEAT('e', 60000) WHERE id = ?",
+        fx.table.name()
+    );
+    sqlx::query(AssertSqlSafe(sql))
+        .bind(id)
+        .execute(fx.broker.pool())
+        .await
+        .unwrap();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(MySqlBackend::connect_options(&fx.url).unwrap())
+        .await
+        .unwrap();
+    let broker = Broker::new(MySqlBackend::new(pool.clone()));
+    let q = broker.queue::<Job>(fx.table.clone()).await.unwrap();
+    let before = bytes_sent(&pool).await;
+    let listed = q
+        .jobs(broker_core::JobState::Due, broker_core::Page::first(10))
+        .await
+        .unwrap();
+    let sent = bytes_sent(&pool).await - before;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].last_error_cut);
+    assert!(
+        sent < 10_000,
+        "the server sent {sent} bytes for a listing of one row"
+    );
+    broker.close().await;
+    fx.cleanup().await;
+}
+
+/// On MariaDB a lease table that keeps acked rows (`processed_at`) acks one row per statement,
+/// so `batched_acks` stays 0 however close together the acks finish: an ack there is an
+/// `UPDATE`, and MariaDB returns rows from a `DELETE` but not from an `UPDATE`, so a shared
+/// statement could not say which rows its per-row fence let through. (docs/operating.md says
+/// so beside the counter.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_table_that_keeps_acked_rows_acks_each_row_alone_on_mariadb() {
+    let fx = fixture(ClaimMode::Lease, |b| b.processed_at("processed_at")).await;
+    let q = fx.queue().await;
+    fx.publish(&q, 8).await;
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(claim_one(&q).await);
+    }
+    let mut acks = tokio::task::JoinSet::new();
+    for d in held {
+        acks.spawn(d.ack());
+    }
+    while let Some(done) = acks.join_next().await {
+        done.expect("an ack task").expect("ack");
+    }
+    let m = q.metrics();
+    assert_eq!((m.acked, m.batched_acks), (8, 0), "{m:?}");
+    fx.cleanup().await;
+}

@@ -22,13 +22,7 @@ use broker_core::{
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 
-use crate::sql::{due_key, ident, ts};
-
-/// A text as a SQL string literal (standard conforming strings: only quotes are doubled). For
-/// the broker's own texts (key template pieces), never for values from outside.
-fn literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
+use crate::sql::{due_key, ident, literal, ts};
 
 /// `expr` (a `TIMESTAMPTZ`) as unix ms, NULL when infinite.
 fn ms_or_null(expr: &str) -> String {
@@ -525,6 +519,13 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
+/// (see [`broker_core::driver::unpause_ddl`]). Not a `DO` block, as it was: a name holding the
+/// block's dollar-quote tag ended its body early.
+pub(crate) fn unpause_ddl(table: &str) -> String {
+    broker_core::driver::unpause_ddl(&literal(table))
+}
+
 impl AdminDriver for PgAdmin<'_> {
     /// Counts by state. Up to [`EXACT_ROWS`](broker_core::admin::EXACT_ROWS) rows (by the
     /// planner's estimate) every row is read and the counts are exact; past that, the counts
@@ -563,6 +564,7 @@ impl AdminDriver for PgAdmin<'_> {
         t: &TableDescription,
         state: JobState,
         page: Page,
+        error_chars: usize,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -608,7 +610,7 @@ impl AdminDriver for PgAdmin<'_> {
         };
         let payload = match t.payload() {
             Some((p, broker_core::ColumnType::Bytes)) => {
-                format!("'\\x' || encode({}, 'hex')", f.col(p))
+                format!("{} || encode({}, 'hex')", literal("\\x"), f.col(p))
             }
             Some((p, _)) => format!("{}::text", f.col(p)),
             None => "NULL::text".into(),
@@ -629,7 +631,16 @@ impl AdminDriver for PgAdmin<'_> {
                 .advisory_lock()
                 .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
             group = text_of(t.group()),
-            error = text_of(t.last_error()),
+            // `substr` rather than `left`: it fetches only the slice it needs of a value
+            // stored out of line, where `left` would read all of it first.
+            error = t.last_error().map_or_else(
+                || "NULL::text".into(),
+                |c| format!(
+                    "substr({}::text, 1, {})",
+                    f.col(c),
+                    error_chars.saturating_add(1)
+                )
+            ),
             cap = broker_core::admin::PAYLOAD_PREVIEW_BYTES,
             with = f.held_locks(),
         );
@@ -650,8 +661,7 @@ impl AdminDriver for PgAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
-                info.last_error = r.try_get(8)?;
-                Ok(info)
+                Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))

@@ -26,8 +26,8 @@ use sqlx::{PgPool, Postgres, Row};
 
 use crate::fifo;
 use crate::sql::{
-    Failed, Resume, SettleStatements, Statements, classify, ident, on_warm, query, retrying,
-    run_settle, settle_named,
+    Failed, Resume, SettleStatements, Statements, classify, ident, literal, on_warm, query,
+    retrying, run_settle, settle_named,
 };
 use crate::stats::StatsWatch;
 
@@ -274,7 +274,7 @@ fn key_walk(
             .unwrap_or_default()
             .iter()
             .enumerate()
-            .map(|(i, c)| format!("'{}', ${}::text", c.replace('\'', "''"), first + i))
+            .map(|(i, c)| format!("{}, ${}::text", literal(c), first + i))
             .collect();
         let typed: Vec<String> = cols
             .iter()

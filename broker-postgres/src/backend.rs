@@ -406,6 +406,17 @@ impl Backend for PgBackend {
         table.check_name_lengths("PostgreSQL", 63, "bytes", str::len)
     }
 
+    async fn payload_probe(&self, table: &TableDescription) -> Option<PgRow> {
+        let (payload, _) = table.payload()?;
+        let sql = broker_core::driver::payload_probe_sql(&ident(table.name()), &ident(payload));
+        // The simple protocol: no statement to name, so it passes through any pooler.
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_optional(&self.pool)
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let pooled = self.detect_pooler(table.name()).await?;
         let prepared = !pooled;
@@ -767,6 +778,10 @@ impl Backend for PgBackend {
                 // creates, and the second fails on the catalog's unique index. The table exists.
                 Err(sqlx::Error::Database(e))
                     if sql.contains("IF NOT EXISTS") && e.code().as_deref() == Some("23505") => {}
+                // No control table (the queue's tables were made by hand): no pause to delete.
+                Err(sqlx::Error::Database(e))
+                    if broker_core::driver::is_unpause_ddl(sql)
+                        && e.code().as_deref() == Some("42P01") => {}
                 Err(e) => return Err(SqlxBrokerError::ddl(sql, e)),
             }
         }

@@ -11,7 +11,7 @@ use broker_core::{ClaimMode, TableDescription, driver::clock};
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 
-use crate::sql::ident;
+use crate::sql::{ident, literal};
 use crate::{schema, stats, version};
 
 /// A connection of the doctor's own, with the pool's options (through the same pooler, if any).
@@ -290,7 +290,7 @@ async fn clock(conn: &mut PgConnection, table: &TableDescription) -> Check {
 /// table's statistics stale (see `PgBackend::analyze_stale_tables`).
 async fn statistics(conn: &mut PgConnection, table: &TableDescription) -> Check {
     let name = "statistics";
-    let sql = stats::check_sql(&stats::literal(&ident(table.name())));
+    let sql = stats::check_sql(&literal(&ident(table.name())));
     match one_row(conn, &sql)
         .await
         .and_then(|r| r.try_get::<bool, _>(2))
@@ -321,12 +321,12 @@ const OLD_SNAPSHOT_SECONDS: i64 = 600;
 /// but the table and its indexes grow until vacuum runs.
 async fn vacuum(conn: &mut PgConnection, table: &TableDescription) -> Check {
     let name = "vacuum";
-    let literal = ident(table.name()).replace('\'', "''");
+    let table_literal = literal(&ident(table.name()));
     let sql = format!(
         "SELECT current_setting('autovacuum'), \
          (SELECT COALESCE(array_to_string(c.reloptions, ', '), '') FROM pg_class AS c \
-          WHERE c.oid = to_regclass('{literal}')), \
-         (SELECT s.n_dead_tup FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass('{literal}')), \
+          WHERE c.oid = to_regclass({table_literal})), \
+         (SELECT s.n_dead_tup FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass({table_literal})), \
          (SELECT a.pid FROM pg_stat_activity AS a WHERE a.backend_xmin IS NOT NULL \
           AND a.pid <> pg_backend_pid() AND a.xact_start IS NOT NULL ORDER BY a.xact_start LIMIT 1), \
          (SELECT (EXTRACT(EPOCH FROM now() - a.xact_start))::int8 FROM pg_stat_activity AS a \
@@ -413,7 +413,6 @@ async fn unique_index(
     conn: &mut PgConnection,
     table: &TableDescription,
 ) -> Result<UniqueIndex, sqlx::Error> {
-    let literal = |s: &str| format!("'{}'", s.replace('\'', "''"));
     let sql = format!(
         "SELECT i.relname::text, ix.indpred IS NOT NULL FROM pg_index ix \
          JOIN pg_class i ON i.oid = ix.indexrelid \

@@ -350,12 +350,7 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     }
     // A pause of the dropped queue goes with it (the control table stays: other queues share
     // it), so a table created again under the name does not start paused.
-    out.push(format!(
-        "DO $sqlx_broker$ BEGIN IF to_regclass('{c}') IS NOT NULL THEN \
-         DELETE FROM {c} WHERE queue = '{name}'; END IF; END $sqlx_broker$",
-        c = broker_core::driver::CONTROL_TABLE,
-        name = t.name().replace('\'', "''"),
-    ));
+    out.push(crate::admin::unpause_ddl(t.name()));
     out
 }
 

@@ -23,6 +23,16 @@ pub(crate) fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// A text as an escape string constant (`E'..'`), for statements that cannot bind it (sent in
+/// the simple protocol, DDL, catalog reads) and for the broker's own texts (key template
+/// pieces, names). An `E` string reads backslashes as escapes whatever
+/// `standard_conforming_strings` says, so doubling both quotes and backslashes keeps any text
+/// one literal under either setting; a plain `'..'` with doubled quotes breaks on `\'` when
+/// the setting is off.
+pub(crate) fn literal(text: &str) -> String {
+    format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
+}
+
 /// A host time bound as unix milliseconds (`int8`) as a `TIMESTAMPTZ`. An interval of whole
 /// milliseconds is exact in microseconds, so a lease token written and later compared this way
 /// matches to the bit.

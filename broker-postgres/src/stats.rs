@@ -57,11 +57,6 @@ pub(crate) fn check_sql(table: &str) -> String {
     )
 }
 
-/// A quoted table name as a string literal, for [`check_sql`].
-pub(crate) fn literal(quoted: &str) -> String {
-    format!("'{}'", quoted.replace('\'', "''"))
-}
-
 /// The statistics watch of one queue table (see the module docs).
 #[derive(Debug)]
 pub(crate) struct StatsWatch {
@@ -143,9 +138,11 @@ impl StatsWatch {
 
     /// Reads the table's recorded and live row counts and analyzes it when the record is stale.
     pub(crate) async fn check(&self) -> Result<Checked, sqlx::Error> {
-        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(check_sql(&literal(&self.table))))
-            .fetch_one(&self.pool)
-            .await?;
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(check_sql(&crate::sql::literal(
+            &self.table,
+        ))))
+        .fetch_one(&self.pool)
+        .await?;
         let (recorded, live, allowed): (f64, i64, bool) =
             (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
         if !allowed {

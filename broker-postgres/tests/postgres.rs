@@ -60,6 +60,8 @@ bounded!(
     a_unique_publish_of_its_own_holds_its_groups_guard_until_its_row_is_seen,
     lease_claims_and_shared_acks_planned_on_an_empty_table_read_no_other_row_once_it_is_full,
     a_burst_after_a_vacuum_of_a_drained_table_leaves_no_claim_reading_the_whole_table,
+    with_standard_conforming_strings_off_names_and_key_pieces_that_end_string_literals_work,
+    with_standard_conforming_strings_off_a_bytes_payload_lists_as_backslash_x_and_hex,
 );
 
 mod case {
@@ -1589,5 +1591,48 @@ mod case {
         let _ = admin
             .execute(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
             .await;
+    }
+
+    /// The conformance case of names and key pieces that end string literals, on sessions that
+    /// read a backslash in a plain literal as an escape: a `\'` in a key template piece or a
+    /// name ended the literal early there, and the counts, the listing and the doctor broke.
+    pub(super) async fn with_standard_conforming_strings_off_names_and_key_pieces_that_end_string_literals_work()
+     {
+        broker_testkit::cases::names_and_key_pieces_that_end_string_literals_work_in_every_statement::<
+            common::PgBackslashEscapes,
+        >()
+        .await;
+    }
+
+    /// A listing shows a bytes payload as `\x` and hex whatever the session's
+    /// `standard_conforming_strings` (the prefix was a plain `'\x'`, which reads as `x` where
+    /// backslashes escape).
+    pub(super) async fn with_standard_conforming_strings_off_a_bytes_payload_lists_as_backslash_x_and_hex()
+     {
+        use broker_testkit::TestDb as _;
+        let url = common::PgBackslashEscapes::database().await;
+        let broker = common::PgBackslashEscapes::connect(&url).await;
+        let table = TableDescription::builder(broker_testkit::unique_name("bytes").as_str())
+            .payload("payload", ColumnType::Bytes)
+            .locked_until("locked_until")
+            .build()
+            .unwrap();
+        broker.create_tables(&table).await.unwrap();
+        let q = broker
+            .queue::<broker_core::Payload<Vec<u8>>>(table.clone())
+            .await
+            .unwrap();
+        q.publish(broker_core::NewJob::new(b"hi".to_vec()))
+            .await
+            .unwrap();
+        let listed = q
+            .jobs(broker_core::JobState::Due, broker_core::Page::first(10))
+            .await
+            .unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].payload.as_deref(), Some("\\x6869"));
+        broker.drop_tables(&table).await.unwrap();
+        broker.close().await;
+        common::PgBackslashEscapes::drop_database(&url).await;
     }
 }

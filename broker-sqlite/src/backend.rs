@@ -235,6 +235,16 @@ impl Backend for SqliteBackend {
         &self.pool
     }
 
+    async fn payload_probe(&self, table: &TableDescription) -> Option<SqliteRow> {
+        let (payload, _) = table.payload()?;
+        let sql = broker_core::driver::payload_probe_sql(&ident(table.name()), &ident(payload));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .fetch_optional(&self.pool)
+            .await
+            .ok()
+            .flatten()
+    }
+
     async fn prepare(&self, table: &Arc<TableDescription>) -> Result<Prepared<Self>> {
         let mut conn = acquire(&self.pool, table.name()).await?;
         let found: String = sqlx::query_scalar("SELECT sqlite_version()")
@@ -491,7 +501,7 @@ impl Backend for SqliteBackend {
                 Ok(_) => {}
                 // No control table (the queue's tables were made by hand): no pause to delete.
                 Err(sqlx::Error::Database(e))
-                    if crate::admin::is_unpause_ddl(sql)
+                    if broker_core::driver::is_unpause_ddl(sql)
                         && e.message().contains("no such table") => {}
                 Err(e) => return Err(SqlxBrokerError::ddl(sql, e)),
             }

@@ -100,6 +100,10 @@ macro_rules! conformance_suite {
                 a_statement_that_waits_shows_in_health_before_it_fails,
                 names_longer_than_the_database_keeps_are_refused,
                 a_null_payload_is_a_decode_error_unless_the_payload_is_optional,
+                names_and_key_pieces_that_end_string_literals_work_in_every_statement,
+                a_long_last_error_is_cut_when_read_and_the_read_says_so,
+                a_payload_type_the_column_cannot_read_is_refused_naming_the_column,
+                the_ddl_helper_refuses_what_create_tables_refuses_with_the_same_error,
             );
         }
         $crate::conformance_suite!(@server_plain $db; $server);
@@ -193,6 +197,7 @@ macro_rules! conformance_suite {
                 eight_brokers_publishing_one_key_at_once_make_one_row,
                 a_finished_row_frees_its_key,
                 two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack,
+                eight_publishers_of_one_key_beside_an_acking_worker_never_fail,
             );
         }
     };

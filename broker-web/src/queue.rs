@@ -10,7 +10,7 @@ use std::pin::Pin;
 
 use broker_core::{
     Backend, DeadLetters, JobInfo, JobState, MetricsSnapshot, Page, Queue, QueueStats, Result,
-    RowState, TableDescription,
+    TableDescription,
 };
 
 /// A boxed future of a queue operation.
@@ -22,7 +22,7 @@ pub(crate) trait AnyQueue: Send + Sync {
     fn metrics(&self) -> MetricsSnapshot;
     fn stats(&self) -> Op<'_, QueueStats>;
     fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>>;
-    fn row_state(&self, id: i64) -> Op<'_, Option<RowState>>;
+    fn job(&self, id: i64) -> Op<'_, Option<JobInfo>>;
     fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64>;
     fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64>;
     fn cancel(&self, id: i64) -> Op<'_, ()>;
@@ -44,8 +44,8 @@ impl<B: Backend, T: 'static> AnyQueue for Queue<B, T> {
     fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>> {
         Box::pin(Queue::jobs(self, state, page))
     }
-    fn row_state(&self, id: i64) -> Op<'_, Option<RowState>> {
-        Box::pin(Queue::row_state(self, id))
+    fn job(&self, id: i64) -> Op<'_, Option<JobInfo>> {
+        Box::pin(Queue::job(self, id))
     }
     fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64> {
         Box::pin(Queue::requeue_dead(self, which))
@@ -65,43 +65,4 @@ impl<B: Backend, T: 'static> AnyQueue for Queue<B, T> {
     fn resume(&self) -> Op<'_, ()> {
         Box::pin(Queue::resume(self))
     }
-}
-
-/// Row `id` of `q` as a listing shows it, with its payload and last error, or `None` when there
-/// is no such row. The operations API lists rows by state a page at a time, so this reads the
-/// row's state first and then the one-row page that starts at `id` in that state.
-pub(crate) async fn find_job(q: &dyn AnyQueue, id: i64) -> Result<Option<JobInfo>> {
-    let Some(row) = q.row_state(id).await? else {
-        return Ok(None);
-    };
-    let states: &[JobState] = if row.dead {
-        &[JobState::Dead]
-    } else if row.processed {
-        &[JobState::Finished]
-    } else {
-        &[JobState::InWork, JobState::Due, JobState::Scheduled]
-    };
-    let page = Page {
-        after: id.checked_sub(1),
-        limit: 1,
-    };
-    for &state in states {
-        if let Some(job) = q.jobs(state, page).await?.into_iter().next()
-            && job.id == id
-        {
-            return Ok(Some(job));
-        }
-    }
-    // The row moved between the two reads (claimed, settled): show what the first read saw.
-    let state = if row.dead {
-        JobState::Dead
-    } else if row.processed {
-        JobState::Finished
-    } else {
-        JobState::InWork
-    };
-    let mut job = JobInfo::new(id, row.attempt, state);
-    job.due_ms = row.due_ms;
-    job.locked_until_ms = row.locked_until_ms;
-    Ok(Some(job))
 }

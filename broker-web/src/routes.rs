@@ -13,7 +13,7 @@ use broker_core::{DeadLetters, JobState, Page, SqlxBrokerError};
 
 use crate::Inner;
 use crate::pages::{self, Listed, QueueView, seg};
-use crate::queue::{AnyQueue, find_job};
+use crate::queue::AnyQueue;
 use crate::security::{Ctx, Session, form_fields, sign};
 
 /// Rows per page of a listing.
@@ -156,7 +156,7 @@ pub(crate) async fn job(
         Err(r) => return *r,
     };
     let notice = pages::notice(query.done.as_deref(), query.n);
-    match find_job(q.as_ref(), id).await {
+    match q.job(id).await {
         Ok(Some(j)) => html(pages::job(&ctx, q.table(), &j, notice)),
         Ok(None) => pages::error_page(
             &ctx,

@@ -71,6 +71,17 @@ pub fn missing_columns(
     }
 }
 
+/// The statement of [`Backend::payload_probe`] for a table and payload column quoted in the
+/// backend's dialect: one row whose only column is the payload column, NULL, aliased as a claim
+/// aliases it ([`alias::PAYLOAD`]). The false join keeps the column's type in the row's
+/// description whatever the table holds.
+pub fn payload_probe_sql(table: &str, column: &str) -> String {
+    format!(
+        "SELECT q.{column} AS {} FROM (SELECT 1 AS sqlx_broker_one) AS o LEFT JOIN {table} AS q ON 1 = 0",
+        alias::PAYLOAD
+    )
+}
+
 /// Column aliases every backend gives the broker's own columns in a claimed row, so core code
 /// and [`Payload`](crate::Payload) can read them whatever the table calls them.
 pub mod alias {
@@ -677,6 +688,19 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// One row holding the table's payload column as a claim reads it, NULL (the statement of
+    /// [`payload_probe_sql`] in the backend's quoting): [`Broker::queue`](crate::Broker::queue)
+    /// decodes it as the queue's row type, so that a [`Payload`](crate::Payload) of a type the
+    /// column does not decode into is refused before any row is claimed. `None` (the default; a
+    /// table without a payload column; a probe that failed) skips that check.
+    fn payload_probe(
+        &self,
+        table: &TableDescription,
+    ) -> impl Future<Output = Option<<Self::Db as Database>::Row>> + Send {
+        let _ = table;
+        async { None }
+    }
+
     /// Checks the server version, the table and its columns, and prepares every statement of
     /// the table's mode.
     fn prepare(
@@ -791,6 +815,19 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 /// helper creates it beside each queue table): one row per paused queue, with the queue's
 /// table name, when it was paused (unix ms) and by whom.
 pub const CONTROL_TABLE: &str = "sqlx_broker_control";
+
+/// The statement of a backend's [`drop_ddl`](Backend::drop_ddl) that deletes a dropped queue's
+/// pause, the queue's name given as a string literal of the backend's dialect: a plain
+/// statement (no procedural block whose quoting a name could end), which fails where the
+/// control table was never created; a backend skips that error ([`is_unpause_ddl`]).
+pub fn unpause_ddl(queue_literal: &str) -> String {
+    format!("DELETE FROM {CONTROL_TABLE} WHERE queue = {queue_literal}")
+}
+
+/// Whether `sql` is [`unpause_ddl`]'s.
+pub fn is_unpause_ddl(sql: &str) -> bool {
+    sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+}
 
 /// Row counts by state, as a backend reads them for [`AdminDriver::stats`]; the core adds the
 /// table, the clock and the pause to make a [`QueueStats`](crate::QueueStats).

@@ -159,6 +159,12 @@ pub(crate) fn connection_ids(pool: &MySqlPool) -> Vec<u64> {
 /// and four brokers of a stress run stay well under the server's 151), whose server connection
 /// ids are recorded as they open.
 pub(crate) async fn connect(url: &str) -> MySqlBroker {
+    connect_running(url, &[]).await
+}
+
+/// [`connect`] whose sessions each run `statements` once connected (session settings: the
+/// server's own stay as they are).
+pub(crate) async fn connect_running(url: &str, statements: &'static [&'static str]) -> MySqlBroker {
     let ids: Ids = Arc::default();
     let record = ids.clone();
     let options = MySqlBackend::connect_options(url).expect("a MySQL URL");
@@ -168,6 +174,9 @@ pub(crate) async fn connect(url: &str) -> MySqlBroker {
         .after_connect(move |conn, _meta| {
             let record = record.clone();
             Box::pin(async move {
+                for sql in statements {
+                    conn.execute(*sql).await?;
+                }
                 let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
                     .fetch_one(&mut *conn)
                     .await?;
@@ -411,6 +420,59 @@ pub(crate) async fn leaks(broker: &MySqlBroker) -> Vec<String> {
 
 /// The test database of the conformance suite.
 pub(crate) struct MySql;
+
+/// MariaDB / MySQL whose brokers' sessions read a backslash in a string literal as itself
+/// (`NO_BACKSLASH_ESCAPES` added to the session's `sql_mode`), the other way a server may read
+/// literals. Otherwise [`MySql`].
+pub(crate) struct MySqlNoBackslashEscapes;
+
+impl broker_testkit::TestDb for MySqlNoBackslashEscapes {
+    type B = MySqlBackend;
+    type Job = broker_testkit::Job;
+    type Text = String;
+
+    async fn database() -> String {
+        create_database().await
+    }
+
+    async fn connect(url: &str) -> Broker<MySqlBackend> {
+        let broker = connect_running(
+            url,
+            &["SET SESSION sql_mode = CONCAT(@@SESSION.sql_mode, ',NO_BACKSLASH_ESCAPES')"],
+        )
+        .await;
+        let mode: String = sqlx::query_scalar("SELECT CAST(@@SESSION.sql_mode AS CHAR)")
+            .fetch_one(broker.pool())
+            .await
+            .expect("read sql_mode");
+        assert!(mode.contains("NO_BACKSLASH_ESCAPES"), "{mode}");
+        broker
+    }
+
+    async fn key_is_held(broker: &MySqlBroker, key: &str) -> bool {
+        key_is_held(broker, key).await
+    }
+
+    async fn kill_connections(broker: &MySqlBroker) -> Option<usize> {
+        Some(kill_connections(broker).await)
+    }
+
+    fn quote(name: &str) -> String {
+        <MySql as broker_testkit::TestDb>::quote(name)
+    }
+
+    async fn execute(broker: &MySqlBroker, sql: &str) -> u64 {
+        <MySql as broker_testkit::TestDb>::execute(broker, sql).await
+    }
+
+    async fn leaks(broker: &MySqlBroker) -> Vec<String> {
+        leaks(broker).await
+    }
+
+    async fn drop_database(url: &str) {
+        drop_database(url).await;
+    }
+}
 
 impl broker_testkit::TestDb for MySql {
     type B = MySqlBackend;

@@ -151,8 +151,16 @@ pub(crate) async fn drop_database(url: &str) {
 /// A broker with a pool of its own on `url`, whose sessions carry an application name no other
 /// broker uses (so probes can tell its sessions apart).
 pub(crate) async fn connect(url: &str) -> PgBroker {
+    connect_with_settings(url, &[]).await
+}
+
+/// [`connect`] with run-time settings for each of the pool's sessions, sent at connect
+/// (`-c name=value`): the server's own settings stay as they are.
+pub(crate) async fn connect_with_settings(url: &str, settings: &[(&str, &str)]) -> PgBroker {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let options = PgConnectOptions::from_str(url).expect("a PostgreSQL URL");
+    let options = PgConnectOptions::from_str(url)
+        .expect("a PostgreSQL URL")
+        .options(settings.iter().copied());
     let app = format!(
         "sb_{}_{}_{}",
         std::process::id(),
@@ -284,6 +292,51 @@ pub(crate) async fn leaks(broker: &PgBroker) -> Vec<String> {
 
 /// The conformance suite's view of PostgreSQL.
 pub(crate) struct Pg;
+
+/// PostgreSQL whose brokers' sessions read a backslash in a plain string literal as an escape
+/// (`standard_conforming_strings` off, set per session at connect), so `'a\'b'` is one
+/// literal there and a literal that only doubles quotes ends early. Otherwise [`Pg`].
+pub(crate) struct PgBackslashEscapes;
+
+impl broker_testkit::TestDb for PgBackslashEscapes {
+    type B = PgBackend;
+    type Job = broker_testkit::Job;
+    type Text = String;
+
+    async fn database() -> String {
+        create_database().await
+    }
+
+    async fn connect(url: &str) -> Broker<PgBackend> {
+        let broker = connect_with_settings(url, &[("standard_conforming_strings", "off")]).await;
+        let setting: String = sqlx::query_scalar("SHOW standard_conforming_strings")
+            .fetch_one(broker.pool())
+            .await
+            .expect("read standard_conforming_strings");
+        assert_eq!(setting, "off", "the session setting took");
+        broker
+    }
+
+    async fn key_is_held(broker: &PgBroker, key: &str) -> bool {
+        key_is_held(broker, key).await
+    }
+
+    async fn kill_connections(broker: &PgBroker) -> Option<usize> {
+        Some(kill_connections(broker).await)
+    }
+
+    async fn execute(broker: &PgBroker, sql: &str) -> u64 {
+        <Pg as broker_testkit::TestDb>::execute(broker, sql).await
+    }
+
+    async fn leaks(broker: &PgBroker) -> Vec<String> {
+        leaks(broker).await
+    }
+
+    async fn drop_database(url: &str) {
+        drop_database(url).await;
+    }
+}
 
 impl broker_testkit::TestDb for Pg {
     type B = PgBackend;

@@ -14,6 +14,7 @@ pub async fn claim_indexes_follow_the_claim_order<D: TestDb>() {
     let claim_index = |t: &TableDescription| {
         fx.broker
             .ddl(t)
+            .expect("the DDL of an offered mode")
             .into_iter()
             .filter(|s| s.contains("_claim"))
             .collect::<Vec<_>>()
@@ -165,6 +166,7 @@ pub async fn the_key_walk_passes_a_held_key_of_any_length<D: TestDb>() {
     assert!(
         fx.broker
             .ddl(q.table())
+            .expect("the DDL of an offered mode")
             .iter()
             .any(|s| s.contains("_key") && s.contains("region")),
         "the key index: {:?}",

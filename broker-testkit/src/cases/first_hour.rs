@@ -61,15 +61,7 @@ pub async fn rows_that_do_not_decode_show_in_health<D: TestDb>() {
             |_job| async { Outcome::Ack },
         )
         .unwrap();
-    wait_until(
-        "the decode error shows in health()",
-        Duration::from_secs(30),
-        || {
-            let h = sub.health();
-            async move { h.decode_errors_in_a_row > 0 }
-        },
-    )
-    .await;
+    super::wait_for_a_decode_error(&sub).await;
     let h = sub.health();
     assert!(!h.is_healthy(), "{h:?}");
     let last = h.last_decode_error.clone().unwrap_or_default();

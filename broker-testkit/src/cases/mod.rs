@@ -7,6 +7,7 @@ mod attempts;
 mod backlog;
 mod bad_input;
 mod concurrency;
+mod ddl;
 mod description;
 mod faults;
 mod fencing;
@@ -15,10 +16,13 @@ mod first_hour;
 mod hardening;
 mod head;
 mod held;
+mod last_error;
 mod lifecycle;
+mod literals;
 mod outage;
 mod periodic;
 mod restart;
+mod row_type;
 mod settle;
 mod stress;
 mod unique;
@@ -28,6 +32,7 @@ pub use attempts::*;
 pub use backlog::*;
 pub use bad_input::*;
 pub use concurrency::*;
+pub use ddl::*;
 pub use description::*;
 pub use faults::*;
 pub use fencing::*;
@@ -36,10 +41,13 @@ pub use first_hour::*;
 pub use hardening::*;
 pub use head::*;
 pub use held::*;
+pub use last_error::*;
 pub use lifecycle::*;
+pub use literals::*;
 pub use outage::*;
 pub use periodic::*;
 pub use restart::*;
+pub use row_type::*;
 pub use settle::*;
 pub use stress::*;
 pub use unique::*;
@@ -47,6 +55,19 @@ pub use unique::*;
 use broker_core::{Delivery, Queue};
 
 use crate::TestDb;
+
+/// Waits (bounded) until `sub` reports a claimed row that did not decode.
+pub(crate) async fn wait_for_a_decode_error(sub: &broker_core::Subscription) {
+    crate::wait_until(
+        "the decode error shows in health()",
+        std::time::Duration::from_secs(30),
+        || {
+            let h = sub.health();
+            async move { h.decode_errors_in_a_row > 0 }
+        },
+    )
+    .await;
+}
 
 /// Claims one delivery, waiting (bounded) until one is due.
 pub(crate) async fn claim_one<D: TestDb>(queue: &Queue<D::B, D::Job>) -> Delivery<D::B, D::Job> {

@@ -347,3 +347,69 @@ pub async fn the_doctor_fails_a_table_without_its_unique_index<D: TestDb>() {
     );
     f.cleanup().await;
 }
+
+/// Publishes of one key per publisher in the case below.
+const PUBLISHES_EACH: usize = 500;
+
+/// Eight publishers of one key (four on each of two brokers) while a worker acks each row as
+/// it comes: every publish returns a row, new or a duplicate, and none fails. (On MariaDB two
+/// inserts whose duplicate-key check waited on the row an ack was finishing both take a lock
+/// on its index entry and then wait on each other; InnoDB undoes one as a deadlock. A
+/// duplicate is not an error, so the broker runs that publish again.)
+pub async fn eight_publishers_of_one_key_beside_an_acking_worker_never_fail<D: TestDb>(
+    mode: ClaimMode,
+) {
+    let mut f = Fixture::<D>::new(mode, keyed).await;
+    let first = f.queue().await;
+    let second = f.other_queue().await;
+    let worker = first
+        .subscribe(
+            broker_core::SubscribeOptions::new()
+                .poll_interval(std::time::Duration::from_millis(50)),
+            |_job| async { Outcome::Ack },
+        )
+        .expect("subscribe");
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let q = if i % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            let payload = format!("from-{i}");
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                let mut fresh = 0;
+                for _ in 0..PUBLISHES_EACH {
+                    let job = job::<D>(mode, &payload, Some("one-key"));
+                    match q.publish_unique(job).await {
+                        Ok(p) => fresh += usize::from(!p.duplicate),
+                        Err(e) => failed.push(e.to_string()),
+                    }
+                }
+                (fresh, failed)
+            })
+        })
+        .collect();
+    let (mut fresh, mut failed) = (0, Vec::new());
+    for t in tasks {
+        let (n, errors) = t.await.expect("join");
+        fresh += n;
+        failed.extend(errors);
+    }
+    let _ = worker.shutdown().await;
+    assert!(
+        failed.is_empty(),
+        "{} of {} publishes failed, the first: {:?}",
+        failed.len(),
+        8 * PUBLISHES_EACH,
+        failed.first()
+    );
+    assert!(fresh >= 1, "at least the first publish inserts");
+    let live = unfinished::<D>(&first).await;
+    assert!(
+        live.len() <= 1,
+        "one key, at most one unfinished row: {live:?}"
+    );
+    f.cleanup().await;
+}
