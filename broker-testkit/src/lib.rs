@@ -21,8 +21,8 @@ pub mod history;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
-    claim_within, describe, hold_row_lock_on, report, subscribe_counting, unique_name, wait_until,
-    wait_until_rows_gone,
+    claim_within, describe, hold_row_lock_on, report, report_not_run, subscribe_counting,
+    unique_name, wait_until, wait_until_rows_gone,
 };
 
 /// Stamps one `#[test]` per conformance case for the [`TestDb`] type `$db`, each run on a
@@ -308,6 +308,57 @@ macro_rules! conformance_suite {
     };
 }
 
+/// The variable that lets tests restart, stop or reconfigure the servers they are given
+/// (`SQLX_BROKER_DISRUPTIVE=1`; `.ci/run` sets it). A plain `cargo test` never does.
+pub const DISRUPTIVE: &str = "SQLX_BROKER_DISRUPTIVE";
+
+/// Stamps a test that restarts, stops or reconfigures a server the user gave (not one the tests
+/// started themselves): `$what` says what it does to which server, e.g. `"restarts the
+/// PostgreSQL server at SQLX_BROKER_PG_URL"`.
+///
+/// Built without `SQLX_BROKER_DISRUPTIVE=1` the test is ignored, and `cargo test` lists it as
+/// `ignored, not run: it restarts, stops or reconfigures a server ..; set
+/// SQLX_BROKER_DISRUPTIVE=1 to run it`; run anyway (`-- --include-ignored`) without the
+/// variable, it fails naming `$what`. With the variable, it runs under the long cases' time
+/// limit.
+///
+/// ```text
+/// broker_testkit::disruptive_test!("restarts the PostgreSQL server at SQLX_BROKER_PG_URL",
+///     async fn a_server_restart_mid_drain_loses_nothing() { /* .. */ });
+/// ```
+#[cfg(sqlx_broker_disruptive)]
+#[macro_export]
+macro_rules! disruptive_test {
+    ($what:literal, async fn $name:ident() $body:block) => {
+        #[test]
+        fn $name() {
+            $crate::__private::run_disruptive(
+                concat!(module_path!(), "::", stringify!($name)),
+                $what,
+                async move $body,
+            );
+        }
+    };
+}
+
+/// See the other definition: this one is built without `SQLX_BROKER_DISRUPTIVE=1`.
+#[cfg(not(sqlx_broker_disruptive))]
+#[macro_export]
+macro_rules! disruptive_test {
+    ($what:literal, async fn $name:ident() $body:block) => {
+        #[test]
+        // A literal: libtest drops a reason made by a macro.
+        #[ignore = "not run: it restarts, stops or reconfigures a server the tests were given; set SQLX_BROKER_DISRUPTIVE=1 to run it (.ci/run does)"]
+        fn $name() {
+            $crate::__private::run_disruptive(
+                concat!(module_path!(), "::", stringify!($name)),
+                $what,
+                async move $body,
+            );
+        }
+    };
+}
+
 #[doc(hidden)]
 pub mod __private {
     use std::future::Future;
@@ -344,6 +395,21 @@ pub mod __private {
         }
     }
 
+    /// Runs a [`disruptive_test!`](crate::disruptive_test) under the long cases' limit, once the
+    /// user has said it may disrupt the server (`$SQLX_BROKER_DISRUPTIVE` is `1` now, too).
+    pub fn run_disruptive(
+        name: &'static str,
+        what: &str,
+        case: impl Future<Output = ()> + Send + 'static,
+    ) {
+        assert!(
+            std::env::var(crate::DISRUPTIVE).is_ok_and(|v| v == "1"),
+            "{name} was not run: it {what}; set {}=1 to run it",
+            crate::DISRUPTIVE
+        );
+        run_case(name, case);
+    }
+
     /// Cases that run for a while by design (stress, kills, schedules of many brokers): their
     /// limit is [`LONG_CASE_TIMEOUT`]'s; every other case gets [`CASE_TIMEOUT`]'s.
     const LONG_CASES: &[&str] = &[
@@ -357,6 +423,7 @@ pub mod __private {
         "missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once",
         "eight_brokers_publishing_one_key_at_once_make_one_row",
         "concurrency_200_drains_like_8_on_the_default_pool",
+        "a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler",
     ];
 
     /// The variable with an ordinary case's limit in seconds (default 300: most cases take a
