@@ -48,7 +48,9 @@ fn start_cluster() {
         .expect("run .ci/galera.sh");
     assert!(
         status.success(),
-        ".ci/galera.sh could not start the Galera cluster"
+        ".ci/galera.sh could not start the Galera cluster ({status}; its output is above): it \
+         needs root, galera-4 and rsync (as root: apt-get install -y galera-4 rsync), or set \
+         SQLX_BROKER_GALERA_URLS to a cluster of three nodes"
     );
 }
 

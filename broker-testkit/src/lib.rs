@@ -375,8 +375,10 @@ pub mod __private {
     /// worker thread; the runtime is then given 10 s to stop before the test fails.
     pub fn run_case(name: &'static str, case: impl Future<Output = ()> + Send + 'static) {
         let (limit, variable) = case_limit(name);
+        // Its threads carry the case's name, so a panic in the case's task names the case.
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(4)
+            .thread_name(name)
             .enable_all()
             .build()
             .expect("a runtime for the case");

@@ -54,7 +54,12 @@ pub(crate) async fn ensure_local_pgbouncer() {
             .await
             .expect("the script's task")
             .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
-            assert!(status.success(), "{script} could not start PgBouncer");
+            assert!(
+                status.success(),
+                "{script} could not start PgBouncer ({status}; its output is above): install \
+                 pgbouncer (as root: apt-get install -y pgbouncer), or set \
+                 SQLX_BROKER_PGBOUNCER_URL to a PgBouncer in transaction mode"
+            );
         })
         .await;
 }
