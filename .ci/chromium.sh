@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Chromium and chromedriver for the dashboard's browser tests (broker-web/tests/browser.rs),
-# installed from the system packages if missing. Used by .ci/run; run it by hand before
-# `cargo test` on a fresh machine. Exits non-zero if either cannot be installed or does not run:
-# the browser tests fail, not skip, without them.
+# installed from the system packages if missing. Used by .ci/run, and run by the browser tests
+# themselves when either is missing. Exits non-zero if either cannot be installed or does not
+# run: the browser tests fail, not skip, without them.
 set -euo pipefail
+# shellcheck source=packages.sh
+. "$(dirname "$0")/packages.sh"
 
 CHROMIUM="${SQLX_BROKER_CHROMIUM:-/usr/bin/chromium}"
 DRIVER="${SQLX_BROKER_CHROMEDRIVER:-/usr/bin/chromedriver}"
 
 if [ ! -x "$CHROMIUM" ] || [ ! -x "$DRIVER" ]; then
   echo "Chromium or chromedriver is missing; installing them from the system packages"
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  install_packages chromium chromium-driver
 fi
 for bin in "$CHROMIUM" "$DRIVER"; do
   if [ ! -x "$bin" ]; then

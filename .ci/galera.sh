@@ -9,6 +9,8 @@
 #   .ci/galera.sh          # start the nodes that are down
 #   .ci/galera.sh stop     # stop all three
 set -euo pipefail
+# shellcheck source=packages.sh
+. "$(dirname "$0")/packages.sh"
 
 DIR="${SQLX_BROKER_GALERA_DIR:-/tmp/sqlx-broker-galera}"
 NODES=(1 2 3)
@@ -36,8 +38,7 @@ fi
 
 if [ ! -e /usr/lib/galera/libgalera_smm.so ]; then
   echo "galera-4 is missing; installing it from the system packages"
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq galera-4 rsync >/dev/null
+  install_packages galera-4 rsync
 fi
 
 start_node() { # node, extra arguments

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Starts PgBouncer 127.0.0.1:6432 in transaction mode in front of the local PostgreSQL (every
 # database, trust auth), installing it from the system packages if it is missing. Used by
-# .ci/run; run it by hand before `cargo test` on a fresh machine. Exits non-zero if PgBouncer
-# does not come up.
+# .ci/run, and run by the PgBouncer tests themselves when nothing answers on the port. Exits
+# non-zero if PgBouncer does not come up.
 set -euo pipefail
+# shellcheck source=packages.sh
+. "$(dirname "$0")/packages.sh"
 
 PORT="${SQLX_BROKER_PGBOUNCER_PORT:-6432}"
 DIR="${SQLX_BROKER_PGBOUNCER_DIR:-/tmp/sqlx-broker-pgbouncer}"
@@ -16,8 +18,7 @@ if up; then
 fi
 if ! command -v pgbouncer >/dev/null 2>&1 && [ ! -x /usr/sbin/pgbouncer ]; then
   echo "PgBouncer is missing; installing it from the system packages"
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null
+  install_packages pgbouncer
 fi
 mkdir -p "$DIR"
 cat >"$DIR/pgbouncer.ini" <<INI

@@ -3,7 +3,8 @@
 //! nothing is lost, and in lease mode no handler runs twice.
 //!
 //! This binary restarts the server every other test uses, so it holds one test per mode, run
-//! one after the other, and cargo runs test binaries one at a time.
+//! one after the other, and cargo runs test binaries one at a time. It runs only with
+//! `SQLX_BROKER_DISRUPTIVE=1` (`.ci/run` sets it); a plain `cargo test` lists it as ignored.
 
 mod common;
 
@@ -68,8 +69,10 @@ fn restart_server() -> Duration {
     panic!("MariaDB did not come back within 60 s of `{command}`");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler() {
-    drain_across_a_server_restart::<MySql>(ClaimMode::Lease, restart_server).await;
-    drain_across_a_server_restart::<MySql>(ClaimMode::RowLock, restart_server).await;
-}
+broker_testkit::disruptive_test!(
+    "restarts the MariaDB server at SQLX_BROKER_MYSQL_URL (with SQLX_BROKER_MYSQL_RESTART)",
+    async fn a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler() {
+        drain_across_a_server_restart::<MySql>(ClaimMode::Lease, restart_server).await;
+        drain_across_a_server_restart::<MySql>(ClaimMode::RowLock, restart_server).await;
+    }
+);

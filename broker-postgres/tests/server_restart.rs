@@ -3,7 +3,8 @@
 //! itself, nothing is lost, and in lease mode no handler runs twice.
 //!
 //! This binary restarts the server every other test uses, so it holds one test per mode, run
-//! one after the other, and cargo runs test binaries one at a time.
+//! one after the other, and cargo runs test binaries one at a time. It runs only with
+//! `SQLX_BROKER_DISRUPTIVE=1` (`.ci/run` sets it); a plain `cargo test` lists it as ignored.
 
 mod common;
 
@@ -50,8 +51,10 @@ fn restart_server() -> Duration {
     panic!("PostgreSQL did not come back within 30 s of `{command}`");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler() {
-    drain_across_a_server_restart::<Pg>(ClaimMode::Lease, restart_server).await;
-    drain_across_a_server_restart::<Pg>(ClaimMode::RowLock, restart_server).await;
-}
+broker_testkit::disruptive_test!(
+    "restarts the PostgreSQL server at SQLX_BROKER_PG_URL (with SQLX_BROKER_PG_RESTART)",
+    async fn a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler() {
+        drain_across_a_server_restart::<Pg>(ClaimMode::Lease, restart_server).await;
+        drain_across_a_server_restart::<Pg>(ClaimMode::RowLock, restart_server).await;
+    }
+);

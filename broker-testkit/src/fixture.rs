@@ -222,6 +222,15 @@ pub fn report(line: &str) {
     println!("{line}");
 }
 
+/// Says that a test, or a part of one, was not run and why, where it is seen though the test
+/// passes: on the process's stderr past cargo's capture of test output, and in the fault report
+/// (see [`report`]).
+pub fn report_not_run(why: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "NOT RUN: {why}");
+    report(&format!("NOT RUN: {why}"));
+}
+
 /// A name no other test uses, for tables (lowercase letters, digits, underscores).
 pub fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);

@@ -2,9 +2,10 @@
 //! `tests/` against a live database.
 //!
 //! Cases are ordinary generic async functions in [`cases`]; [`conformance_suite!`] stamps out one
-//! `#[tokio::test]` per case (and per claim mode, where a case is about a mode), so each case has
-//! its own name, can be filtered (`cargo test lease_`), and fails on its own. What a backend can
-//! do comes from its [`Capabilities`](broker_core::Capabilities), never from the database's name.
+//! test per case (and per claim mode, where a case is about a mode), so each case has its own
+//! name, can be filtered (`cargo test lease_`), and fails on its own, hung ones included: each
+//! runs under a time limit. What a backend can do comes from its
+//! [`Capabilities`](broker_core::Capabilities), never from the database's name.
 //!
 //! ```text
 //! // broker-sqlite/tests/conformance.rs
@@ -21,11 +22,13 @@ pub mod outage;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
-    claim_within, describe, hold_row_lock_on, report, subscribe_counting, unique_name, wait_until,
-    wait_until_rows_gone,
+    claim_within, describe, hold_row_lock_on, report, report_not_run, subscribe_counting,
+    unique_name, wait_until, wait_until_rows_gone,
 };
 
-/// Stamps one `#[tokio::test]` per conformance case for the [`TestDb`] type `$db`.
+/// Stamps one `#[test]` per conformance case for the [`TestDb`] type `$db`, each run on a
+/// multi-threaded tokio runtime under a time limit (`SQLX_BROKER_CASE_TIMEOUT`, default 300 s;
+/// `SQLX_BROKER_LONG_CASE_TIMEOUT`, default 900 s, for the stress, kill and schedule cases).
 ///
 /// The backend says what it offers, and only that is stamped, so no case returns early on a mode
 /// that does not apply:
@@ -79,13 +82,19 @@ macro_rules! conformance_suite {
             the_doctor_fails_a_missing_table_and_passes_no_index_check_on_it,
             a_missing_advisory_key_column_is_named_by_its_role,
         );
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn the_suite_covers_what_the_backend_offers() {
-            $crate::cases::the_suite_covers_what_the_backend_offers::<$db>(
-                &[$($crate::__private::mode(stringify!($mode))),+],
-                stringify!($server) == "yes",
-            )
-            .await;
+        #[test]
+        fn the_suite_covers_what_the_backend_offers() {
+            $crate::__private::run_case(
+                concat!(module_path!(), "::the_suite_covers_what_the_backend_offers"),
+                async {
+                    let modes = [$($crate::__private::mode(stringify!($mode))),+];
+                    $crate::cases::the_suite_covers_what_the_backend_offers::<$db>(
+                        &modes,
+                        stringify!($server) == "yes",
+                    )
+                    .await;
+                },
+            );
         }
         $( $crate::conformance_suite!(@mode $db; $mode; $server); )+
         // Bad input and faults that are about no one mode (cases/hardening.rs).
@@ -119,12 +128,13 @@ macro_rules! conformance_suite {
                 four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted,
                 missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once,
             );
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled() {
-                $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(
-                    concat!(module_path!(), "::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled"),
-                )
-                .await;
+            #[test]
+            fn four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled() {
+                const NAME: &str = concat!(module_path!(), "::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled");
+                $crate::__private::run_case(
+                    NAME,
+                    $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(NAME),
+                );
             }
         }
     };
@@ -173,21 +183,21 @@ macro_rules! conformance_suite {
                 settlement_and_shutdown_leave_nothing_held_in_mode,
                 fifo_settlement_and_shutdown_leave_nothing_held,
             );
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn a_killed_worker_gives_its_rows_back() {
-                $crate::cases::a_killed_worker_gives_its_rows_back::<$db>(
-                    $crate::__private::mode(stringify!($mode)),
-                    concat!(module_path!(), "::a_killed_worker_gives_its_rows_back"),
-                )
-                .await;
+            #[test]
+            fn a_killed_worker_gives_its_rows_back() {
+                const NAME: &str = concat!(module_path!(), "::a_killed_worker_gives_its_rows_back");
+                $crate::__private::run_case(
+                    NAME,
+                    $crate::cases::a_killed_worker_gives_its_rows_back::<$db>($crate::__private::mode(stringify!($mode)), NAME),
+                );
             }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn stress_with_random_outcomes_and_kills() {
-                $crate::cases::stress_with_random_outcomes_and_kills::<$db>(
-                    $crate::__private::mode(stringify!($mode)),
-                    concat!(module_path!(), "::stress_with_random_outcomes_and_kills"),
-                )
-                .await;
+            #[test]
+            fn stress_with_random_outcomes_and_kills() {
+                const NAME: &str = concat!(module_path!(), "::stress_with_random_outcomes_and_kills");
+                $crate::__private::run_case(
+                    NAME,
+                    $crate::cases::stress_with_random_outcomes_and_kills::<$db>($crate::__private::mode(stringify!($mode)), NAME),
+                );
             }
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
@@ -288,25 +298,178 @@ macro_rules! conformance_suite {
     (@server_plain $db:ty; no) => {};
     (@each $db:ty; $mode:ident; $($case:ident),* $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $case() {
-                $crate::cases::$case::<$db>($crate::__private::mode(stringify!($mode))).await;
+            #[test]
+            fn $case() {
+                $crate::__private::run_case(
+                    concat!(module_path!(), "::", stringify!($case)),
+                    $crate::cases::$case::<$db>($crate::__private::mode(stringify!($mode))),
+                );
             }
         )*
     };
     (@plain $db:ty; $($case:ident),* $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn $case() {
-                $crate::cases::$case::<$db>().await;
+            #[test]
+            fn $case() {
+                $crate::__private::run_case(
+                    concat!(module_path!(), "::", stringify!($case)),
+                    $crate::cases::$case::<$db>(),
+                );
             }
         )*
     };
 }
 
+/// The variable that lets tests restart, stop or reconfigure the servers they are given
+/// (`SQLX_BROKER_DISRUPTIVE=1`; `.ci/run` sets it). A plain `cargo test` never does.
+pub const DISRUPTIVE: &str = "SQLX_BROKER_DISRUPTIVE";
+
+/// Stamps a test that restarts, stops or reconfigures a server the user gave (not one the tests
+/// started themselves): `$what` says what it does to which server, e.g. `"restarts the
+/// PostgreSQL server at SQLX_BROKER_PG_URL"`.
+///
+/// Built without `SQLX_BROKER_DISRUPTIVE=1` the test is ignored, and `cargo test` lists it as
+/// `ignored, not run: it restarts, stops or reconfigures a server ..; set
+/// SQLX_BROKER_DISRUPTIVE=1 to run it`; run anyway (`-- --include-ignored`) without the
+/// variable, it fails naming `$what`. With the variable, it runs under the long cases' time
+/// limit.
+///
+/// ```text
+/// broker_testkit::disruptive_test!("restarts the PostgreSQL server at SQLX_BROKER_PG_URL",
+///     async fn a_server_restart_mid_drain_loses_nothing() { /* .. */ });
+/// ```
+#[cfg(sqlx_broker_disruptive)]
+#[macro_export]
+macro_rules! disruptive_test {
+    ($what:literal, async fn $name:ident() $body:block) => {
+        #[test]
+        fn $name() {
+            $crate::__private::run_disruptive(
+                concat!(module_path!(), "::", stringify!($name)),
+                $what,
+                async move $body,
+            );
+        }
+    };
+}
+
+/// See the other definition: this one is built without `SQLX_BROKER_DISRUPTIVE=1`.
+#[cfg(not(sqlx_broker_disruptive))]
+#[macro_export]
+macro_rules! disruptive_test {
+    ($what:literal, async fn $name:ident() $body:block) => {
+        #[test]
+        // A literal: libtest drops a reason made by a macro.
+        #[ignore = "not run: it restarts, stops or reconfigures a server the tests were given; set SQLX_BROKER_DISRUPTIVE=1 to run it (.ci/run does)"]
+        fn $name() {
+            $crate::__private::run_disruptive(
+                concat!(module_path!(), "::", stringify!($name)),
+                $what,
+                async move $body,
+            );
+        }
+    };
+}
+
 #[doc(hidden)]
 pub mod __private {
+    use std::future::Future;
+    use std::time::Duration;
+
     pub use broker_core::ClaimMode;
+
+    /// Runs one stamped case, `name` its full test path, as `#[tokio::test(flavor =
+    /// "multi_thread", worker_threads = 4)]` would, under the case's time limit
+    /// ([`case_limit`]): a case still running then fails, naming itself and the variable that
+    /// raises the limit, instead of hanging the run.
+    ///
+    /// The case runs as a task of its own, so the limit holds even while the case blocks a
+    /// worker thread; the runtime is then given 10 s to stop before the test fails.
+    pub fn run_case(name: &'static str, case: impl Future<Output = ()> + Send + 'static) {
+        let (limit, variable) = case_limit(name);
+        // Its threads carry the case's name, so a panic in the case's task names the case.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .thread_name(name)
+            .enable_all()
+            .build()
+            .expect("a runtime for the case");
+        let ended =
+            runtime.block_on(async { tokio::time::timeout(limit, tokio::spawn(case)).await });
+        runtime.shutdown_timeout(Duration::from_secs(10));
+        match ended {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Ok(Err(e)) => panic!("{name}: {e}"),
+            Err(_) => panic!(
+                "{name} did not finish within its limit of {} s: it hangs, or this machine is \
+                 too slow for it; set {variable}=<seconds> to give it longer",
+                limit.as_secs()
+            ),
+        }
+    }
+
+    /// Runs a [`disruptive_test!`](crate::disruptive_test) under the long cases' limit, once the
+    /// user has said it may disrupt the server (`$SQLX_BROKER_DISRUPTIVE` is `1` now, too).
+    pub fn run_disruptive(
+        name: &'static str,
+        what: &str,
+        case: impl Future<Output = ()> + Send + 'static,
+    ) {
+        assert!(
+            std::env::var(crate::DISRUPTIVE).is_ok_and(|v| v == "1"),
+            "{name} was not run: it {what}; set {}=1 to run it",
+            crate::DISRUPTIVE
+        );
+        run_case(name, case);
+    }
+
+    /// Cases that run for a while by design (stress, kills, schedules of many brokers): their
+    /// limit is [`LONG_CASE_TIMEOUT`]'s; every other case gets [`CASE_TIMEOUT`]'s.
+    const LONG_CASES: &[&str] = &[
+        "stress_with_random_outcomes_and_kills",
+        "a_killed_worker_gives_its_rows_back",
+        "killed_connections_lose_nothing",
+        "lease_settlements_survive_killed_connections_without_reruns",
+        "four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted",
+        "four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled",
+        "two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack",
+        "missed_ticks_are_skipped_by_default_and_run_latest_publishes_the_latest_once",
+        "eight_brokers_publishing_one_key_at_once_make_one_row",
+        "concurrency_200_drains_like_8_on_the_default_pool",
+        "a_server_restart_mid_drain_loses_nothing_and_reruns_no_lease_handler",
+    ];
+
+    /// The variable with an ordinary case's limit in seconds (default 300: most cases take a
+    /// few seconds, and a loaded 2-core machine can make that a minute).
+    pub const CASE_TIMEOUT: &str = "SQLX_BROKER_CASE_TIMEOUT";
+    /// The variable with a long case's limit in seconds (default 900: the stress case takes
+    /// about a minute on a quiet 2-core machine).
+    pub const LONG_CASE_TIMEOUT: &str = "SQLX_BROKER_LONG_CASE_TIMEOUT";
+
+    /// The time limit of the case at test path `name`, and the variable that sets it.
+    pub fn case_limit(name: &str) -> (Duration, &'static str) {
+        let case = name.rsplit("::").next().unwrap_or(name);
+        let (variable, default) = if LONG_CASES.contains(&case) {
+            (LONG_CASE_TIMEOUT, 900)
+        } else {
+            (CASE_TIMEOUT, 300)
+        };
+        let seconds = match std::env::var(variable) {
+            Ok(v) => v
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|s| *s > 0)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{variable}={v:?}: give the limit as a whole number of seconds, e.g. 600"
+                    )
+                }),
+            Err(_) => default,
+        };
+        (Duration::from_secs(seconds), variable)
+    }
 
     /// The mode a module of the suite is named after.
     pub fn mode(name: &str) -> ClaimMode {

@@ -3,9 +3,11 @@
 //! a subscription in another broker, a dead letter requeued in it runs again, markup in a
 //! payload or an error is shown as text, and a POST without its CSRF token changes nothing.
 //!
-//! Each test starts its own chromedriver on a free port and fails (it does not skip) when the
-//! driver or the browser is missing: run `.ci/chromium.sh` (or `apt-get install -y chromium
-//! chromium-driver`). `SQLX_BROKER_CHROMEDRIVER` and `SQLX_BROKER_CHROMIUM` override the paths.
+//! Each test starts its own chromedriver on a free port. When the driver or the browser is
+//! missing at the default paths, the first test runs `.ci/chromium.sh`, which installs both
+//! from the system packages; the tests fail (they do not skip) when that cannot be done.
+//! `SQLX_BROKER_CHROMEDRIVER` and `SQLX_BROKER_CHROMIUM` set the paths (then nothing is
+//! installed).
 //! `SQLX_BROKER_SCREENSHOT=path` writes the PostgreSQL queues page's screenshot there (the one
 //! in docs/); every run writes them under the test's target directory.
 
@@ -39,19 +41,66 @@ fn free_port() -> u16 {
         .port()
 }
 
-impl Browser {
-    async fn start() -> Browser {
-        let permit = BROWSERS.acquire().await.expect("semaphore");
-        let driver_path = std::env::var("SQLX_BROKER_CHROMEDRIVER")
-            .unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
-        let chromium = std::env::var("SQLX_BROKER_CHROMIUM")
-            .unwrap_or_else(|_| "/usr/bin/chromium".to_owned());
-        for (what, path) in [("chromedriver", &driver_path), ("chromium", &chromium)] {
+/// Chromium and chromedriver, installed by `.ci/chromium.sh` (once per test binary; the script
+/// waits for any other package install on the machine) when they are missing at the default
+/// paths, as the PgBouncer and Galera tests start theirs. Paths set by the variables are
+/// the user's: missing there, they are reported, not installed. Returns the driver's and the
+/// browser's paths, or why they cannot be had.
+async fn browser_binaries() -> (String, String) {
+    static INSTALLED: tokio::sync::OnceCell<Result<(), String>> =
+        tokio::sync::OnceCell::const_new();
+    let driver = std::env::var("SQLX_BROKER_CHROMEDRIVER");
+    let chromium = std::env::var("SQLX_BROKER_CHROMIUM");
+    let paths = [
+        ("chromedriver", "SQLX_BROKER_CHROMEDRIVER", driver.clone()),
+        ("chromium", "SQLX_BROKER_CHROMIUM", chromium.clone()),
+    ];
+    let missing = |path: &str| !std::path::Path::new(path).exists();
+    for (what, var, path) in &paths {
+        if let Ok(path) = path {
             assert!(
-                std::path::Path::new(path).exists(),
-                "{what} is not at {path}: install it (`bash .ci/chromium.sh`, or apt-get install -y chromium chromium-driver); the browser tests do not skip"
+                !missing(path),
+                "{what} is not at {path} ({var}): install it there, or unset {var} to have the tests install Chromium from the system packages"
             );
         }
+    }
+    let driver = driver.unwrap_or_else(|_| "/usr/bin/chromedriver".to_owned());
+    let chromium = chromium.unwrap_or_else(|_| "/usr/bin/chromium".to_owned());
+    if missing(&driver) || missing(&chromium) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../.ci/chromium.sh");
+        let installed = INSTALLED
+            .get_or_init(|| async move {
+                eprintln!("Chromium or chromedriver is missing: running {script}");
+                let status =
+                    tokio::task::spawn_blocking(move || Command::new("bash").arg(script).status())
+                        .await
+                        .expect("the script's task");
+                match status {
+                    Ok(s) if s.success() => Ok(()),
+                    Ok(s) => Err(format!("{script} failed ({s}; its output is above)")),
+                    Err(e) => Err(format!("cannot run {script}: {e}")),
+                }
+            })
+            .await;
+        if let Err(why) = installed {
+            panic!(
+                "Chromium and chromedriver are missing and could not be installed: {why}. Install them (as root: apt-get install -y chromium chromium-driver), or set SQLX_BROKER_CHROMIUM and SQLX_BROKER_CHROMEDRIVER to where they are; the browser tests do not skip"
+            );
+        }
+        for (what, path) in [("chromedriver", &driver), ("chromium", &chromium)] {
+            assert!(
+                !missing(path),
+                "{what} is still not at {path} after {script}: install it (apt-get install -y chromium chromium-driver)"
+            );
+        }
+    }
+    (driver, chromium)
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let (driver_path, chromium) = browser_binaries().await;
+        let permit = BROWSERS.acquire().await.expect("semaphore");
         let port = free_port();
         let driver = Command::new(&driver_path)
             .arg(format!("--port={port}"))

@@ -54,19 +54,41 @@ pub(crate) async fn ensure_local_pgbouncer() {
             .await
             .expect("the script's task")
             .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
-            assert!(status.success(), "{script} could not start PgBouncer");
+            assert!(
+                status.success(),
+                "{script} could not start PgBouncer ({status}; its output is above): install \
+                 pgbouncer (as root: apt-get install -y pgbouncer), or set \
+                 SQLX_BROKER_PGBOUNCER_URL to a PgBouncer in transaction mode"
+            );
         })
         .await;
 }
 
-/// A connection to the base database, for administration and probes.
+/// How long a test waits for a connection while the server has none free (`max_connections`
+/// reached, SQLSTATE 53300): other test runs beside this one hold them for a while, and a
+/// case that waits them out has lost nothing. The pools wait as long (`acquire_timeout`: sqlx
+/// retries that refusal until then, and reports `PoolTimedOut`).
+pub(crate) const SERVER_FULL_WAIT: Duration = Duration::from_secs(120);
+
+/// A connection to the base database, for administration and probes. A server with no
+/// connection free is asked again every quarter second, up to [`SERVER_FULL_WAIT`].
 pub(crate) async fn admin() -> PgConnection {
     let url = base_url();
-    match tokio::time::timeout(Duration::from_secs(10), PgConnection::connect(&url)).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => panic!("PostgreSQL at {url} is unreachable: {e}"),
-        Err(_) => panic!("PostgreSQL at {url} did not answer within 10 s"),
+    let tries = SERVER_FULL_WAIT.as_millis() / 250;
+    for _ in 0..tries {
+        match tokio::time::timeout(Duration::from_secs(10), PgConnection::connect(&url)).await {
+            Ok(Ok(conn)) => return conn,
+            Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("53300") => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Ok(Err(e)) => panic!("PostgreSQL at {url} is unreachable: {e}"),
+            Err(_) => panic!("PostgreSQL at {url} did not answer within 10 s"),
+        }
     }
+    panic!(
+        "PostgreSQL at {url} had no connection free for {SERVER_FULL_WAIT:?} (max_connections \
+         reached): other test runs on the server hold them; run fewer at once or raise it"
+    )
 }
 
 /// `url` with its database replaced by `database`.
@@ -170,12 +192,14 @@ pub(crate) async fn connect_with_settings(url: &str, settings: &[(&str, &str)]) 
     let app: String = app.chars().take(63).collect();
     // Ten connections serve eight deliveries in work (row lock and advisory hold one each), the
     // claims and the listener; idle ones close soon, so cases running side by side (the stress
-    // case runs five brokers) stay under the server's connection limit.
+    // case runs five brokers) stay under the server's connection limit. Other test runs on the
+    // server can still fill it for a while: an acquire waits that out (see SERVER_FULL_WAIT)
+    // rather than failing the case with `PoolTimedOut`.
     let pool = PgPoolOptions::new()
         .max_connections(10)
         .min_connections(0)
         .idle_timeout(Duration::from_secs(5))
-        .acquire_timeout(Duration::from_secs(20))
+        .acquire_timeout(SERVER_FULL_WAIT)
         .connect_with(options.application_name(&app))
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
