@@ -128,7 +128,7 @@ struct WebArgs {
     #[arg(long, env = "SQLX_BROKER_WEB_TOKEN", hide_env_values = true)]
     token: Option<String>,
     /// Also answer to this host name (repeat the flag). Without a token only loopback names
-    /// (localhost, 127.0.0.1, [::1]) are served, so that a page on another site cannot reach
+    /// (localhost, 127.0.0.1, `[::1]`) are served, so that a page on another site cannot reach
     /// the dashboard through a DNS name pointed at this machine.
     #[arg(long = "allowed-host", value_name = "NAME")]
     allowed_hosts: Vec<String>,
