@@ -349,6 +349,7 @@ async fn publish<B: Backend>(
 ) -> Result<PublishResult, BoxError>
 where
     String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    Row: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
 {
     let table = drain::describe(&drain::table_name("p"), ClaimMode::Lease, None)?;
     broker.create_tables(&table).await?;
