@@ -990,4 +990,139 @@ where
             Handler::with_transaction(handler),
         )
     }
+
+    /// Like [`subscribe`](Self::subscribe), with the handler given as a tower
+    /// [`Service`](tower_service::Service) of jobs: how middleware wraps every handler of a
+    /// subscription in one place (tracing context, metrics, an authorisation context, a
+    /// limit). Build it from a handler function with [`handler_service`](crate::handler_service)
+    /// and wrap it in any [`Layer`](tower_layer::Layer)s, tower's `ServiceBuilder` included; or
+    /// use [`subscribe_layered`](Self::subscribe_layered).
+    ///
+    /// Each delivery clones the service, waits until the clone is ready, then calls it with the
+    /// [`Job`]; the response is the row's [`Outcome`](crate::Outcome), and an error (from
+    /// `poll_ready` too) is a failed attempt, retried with the subscription's backoff, as a
+    /// handler's error is. A service that waits in `poll_ready` waits holding its claimed row.
+    ///
+    /// ```
+    /// # use broker_core::{BoxError, Backend, Job, Outcome, Payload, Queue, Result, SubscribeOptions, Subscription};
+    /// use broker_core::{BoxFuture, HandlerService, handler_service};
+    /// use tower_layer::Layer;
+    /// use tower_service::Service;
+    /// use std::task::{Context, Poll};
+    ///
+    /// /// Logs every job's end, with its outcome or error.
+    /// #[derive(Clone)]
+    /// struct LogEnd<S>(S);
+    ///
+    /// impl<S, T> Service<Job<T>> for LogEnd<S>
+    /// where
+    ///     S: Service<Job<T>, Response = Outcome, Error = BoxError>,
+    ///     S::Future: Send + 'static,
+    /// {
+    ///     type Response = Outcome;
+    ///     type Error = BoxError;
+    ///     type Future = BoxFuture<'static, std::result::Result<Outcome, BoxError>>;
+    ///
+    ///     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), BoxError>> {
+    ///         self.0.poll_ready(cx)
+    ///     }
+    ///
+    ///     fn call(&mut self, job: Job<T>) -> Self::Future {
+    ///         let id = job.id();
+    ///         let end = self.0.call(job);
+    ///         Box::pin(async move {
+    ///             let result = end.await;
+    ///             println!("job {id}: {result:?}");
+    ///             result
+    ///         })
+    ///     }
+    /// }
+    ///
+    /// struct LogEndLayer;
+    /// impl<S> Layer<S> for LogEndLayer {
+    ///     type Service = LogEnd<S>;
+    ///     fn layer(&self, inner: S) -> LogEnd<S> {
+    ///         LogEnd(inner)
+    ///     }
+    /// }
+    ///
+    /// async fn handle(job: Job<Payload<String>>) -> std::result::Result<Outcome, BoxError> {
+    ///     Ok(Outcome::Ack)
+    /// }
+    ///
+    /// fn start<B: Backend>(queue: &Queue<B, Payload<String>>) -> Result<Subscription>
+    /// where
+    ///     Payload<String>: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+    /// {
+    ///     queue.subscribe_service(SubscribeOptions::default(), LogEndLayer.layer(handler_service(handle)))
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`subscribe`](Self::subscribe).
+    pub fn subscribe_service<S>(
+        &self,
+        options: SubscribeOptions,
+        service: S,
+    ) -> Result<Subscription>
+    where
+        S: tower_service::Service<Job<T>, Response = crate::Outcome> + Clone + Send + 'static,
+        S::Error: Into<crate::BoxError>,
+        S::Future: Send + 'static,
+    {
+        crate::subscription::start(self.inner.clone(), options, Handler::service(service))
+    }
+
+    /// [`subscribe_service`](Self::subscribe_service) of a handler function wrapped in
+    /// `layer`: `queue.subscribe_layered(options, layer, handle)` is
+    /// `queue.subscribe_service(options, layer.layer(handler_service(handle)))`. Stack several
+    /// layers with tower's `ServiceBuilder` (its `into_inner()` is a layer) or a tuple of them.
+    ///
+    /// # Errors
+    /// As [`subscribe`](Self::subscribe).
+    pub fn subscribe_layered<L, F, Fut>(
+        &self,
+        options: SubscribeOptions,
+        layer: L,
+        handler: F,
+    ) -> Result<Subscription>
+    where
+        F: Fn(Job<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future + Send + 'static,
+        Fut::Output: IntoOutcome,
+        L: tower_layer::Layer<crate::HandlerService<F>>,
+        L::Service:
+            tower_service::Service<Job<T>, Response = crate::Outcome> + Clone + Send + 'static,
+        <L::Service as tower_service::Service<Job<T>>>::Error: Into<crate::BoxError>,
+        <L::Service as tower_service::Service<Job<T>>>::Future: Send + 'static,
+    {
+        self.subscribe_service(options, layer.layer(crate::handler_service(handler)))
+    }
+
+    /// Like [`subscribe_with_transaction`](Self::subscribe_with_transaction), with the handler
+    /// given as a tower service of the job and its transaction, `(Job<T>, JobTransaction<B>)`
+    /// (see [`subscribe_service`](Self::subscribe_service)); build it with
+    /// [`handler_service`](crate::handler_service) from a function of both.
+    ///
+    /// # Errors
+    /// As [`subscribe_with_transaction`](Self::subscribe_with_transaction).
+    pub fn subscribe_service_with_transaction<S>(
+        &self,
+        options: SubscribeOptions,
+        service: S,
+    ) -> Result<Subscription>
+    where
+        S: tower_service::Service<(Job<T>, JobTransaction<B>), Response = crate::Outcome>
+            + Clone
+            + Send
+            + 'static,
+        S::Error: Into<crate::BoxError>,
+        S::Future: Send + 'static,
+    {
+        crate::subscription::start(
+            self.inner.clone(),
+            options,
+            Handler::service_with_transaction(service),
+        )
+    }
 }

@@ -102,8 +102,9 @@ pub use schedule::{
     Scheduled, Tick,
 };
 pub use subscription::{
-    BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerResult, Health, IntoOutcome,
-    MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
+    BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerPanicked, HandlerResult, HandlerService,
+    Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
+    handler_service,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
@@ -119,14 +120,19 @@ pub mod api {
     pub use crate::{
         BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
         DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
-        HandlerResult, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState, JobTransaction,
-        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns, NewJob, Outcome,
-        Page, Pause, Payload, Queue, QueueStats, Result, RowState, RowTransaction,
-        SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status, SubscribeOptions,
-        Subscription, TableBuilder, TableDescription, TxGuard, Value,
+        HandlerPanicked, HandlerResult, HandlerService, Health, IntoOutcome, IsolationLevel, Job,
+        JobInfo, JobState, JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL,
+        MetricsSnapshot, ModeColumns, NewJob, Outcome, Page, Pause, Payload, Queue, QueueStats,
+        Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError,
+        Status, SubscribeOptions, Subscription, TableBuilder, TableDescription, TxGuard, Value,
     };
+    pub use crate::{BoxFuture, handler_service};
     pub use crate::{
         DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, MAX_UNIQUE_KEY_CHARS,
         Missed, Published, Schedule, ScheduleRow, Scheduled, Tick,
     };
+    /// The tower traits a middleware implements: a [`Layer`] wraps a [`Service`] of jobs (see
+    /// [`HandlerService`]).
+    pub use tower_layer::Layer;
+    pub use tower_service::Service;
 }

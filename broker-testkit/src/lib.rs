@@ -201,6 +201,12 @@ macro_rules! conformance_suite {
             }
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
+            // Middleware (cases/middleware.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                a_layer_sees_each_job_before_and_after_with_its_outcome_or_error,
+                a_layer_decides_the_outcome_and_may_answer_without_the_handler,
+                a_service_whose_readiness_fails_retries_the_row,
+            );
             // Unique keys and schedules in each mode (cases/unique.rs, cases/periodic.rs).
             $crate::conformance_suite!(@each $db; $mode;
                 a_duplicate_key_returns_the_existing_row_alone_in_a_batch_and_in_a_transaction,
@@ -214,6 +220,7 @@ macro_rules! conformance_suite {
     // Cases of one mode only: row lock's transaction, the fences of lease and advisory.
     (@only $db:ty; row_lock) => {
         $crate::conformance_suite!(@plain $db;
+            a_layered_transaction_handler_commits_with_the_ack_only,
             row_lock_handler_writes_commit_with_the_ack_only,
             a_subscribed_handler_writes_through_its_transaction,
             a_busy_subscription_claims_on_its_last_connection_and_gives_it_back_when_idle,

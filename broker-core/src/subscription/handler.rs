@@ -1,12 +1,15 @@
 //! The user's handler, boxed once so the engine's tasks can share it, and the catching of its
-//! panics (a panicking handler becomes a retry, never a lost worker slot).
+//! panics (a panicking handler becomes a retry, never a lost worker slot). A handler may also
+//! be a tower [`Service`] of jobs, which is how middleware wraps it (see [`HandlerService`]).
 
 use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+
+use tower_service::Service;
 
 use crate::delivery::{Job, JobTransaction, Outcome};
 use crate::driver::Backend;
@@ -100,8 +103,210 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
     }
 }
 
+impl<B: Backend, T: Send + 'static> Handler<B, T> {
+    /// A handler that is a tower service of jobs, middleware and all.
+    pub(crate) fn service<S>(service: S) -> Self
+    where
+        S: Service<Job<T>, Response = Outcome> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let service = Shared::new(service);
+        Self {
+            f: Arc::new(move |job, _| {
+                let service = service.clone();
+                Box::pin(async move { service.ready_then_call(job).await })
+            }),
+            lends_transaction: false,
+        }
+    }
+
+    /// A handler that is a tower service of a job and its row lock transaction.
+    pub(crate) fn service_with_transaction<S>(service: S) -> Self
+    where
+        S: Service<(Job<T>, JobTransaction<B>), Response = Outcome> + Clone + Send + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send + 'static,
+    {
+        let service = Shared::new(service);
+        Self {
+            f: Arc::new(move |job, tx: Option<JobTransaction<B>>| {
+                let service = service.clone();
+                Box::pin(async move {
+                    let tx = tx.expect("a row lock delivery lends its transaction");
+                    service.ready_then_call((job, tx)).await
+                })
+            }),
+            lends_transaction: true,
+        }
+    }
+}
+
+/// A service the engine's tasks share: each delivery clones its own copy, as tower's contract
+/// asks (a service is readied and called by one caller), under a lock that makes a `Send`
+/// service shareable without asking it to be `Sync` (tower's boxed services are not).
+struct Shared<S>(Arc<Mutex<S>>);
+
+impl<S> Clone for Shared<S> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<S: Clone> Shared<S> {
+    fn new(service: S) -> Self {
+        Self(Arc::new(Mutex::new(service)))
+    }
+
+    /// Waits until a copy of the service is ready, then calls it. Runs inside the handler's
+    /// boxed future, so a panic in the service's `clone`, `poll_ready` or `call` is caught like
+    /// one in a handler's body.
+    async fn ready_then_call<R>(&self, request: R) -> HandlerResult
+    where
+        S: Service<R, Response = Outcome>,
+        S::Error: Into<BoxError>,
+    {
+        let mut service = self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        std::future::poll_fn(|cx| service.poll_ready(cx))
+            .await
+            .map_err(Into::into)?;
+        service.call(request).await.map_err(Into::into)
+    }
+}
+
+/// A handler function as a tower [`Service`], so middleware can wrap it: a
+/// [`Layer`](tower_layer::Layer) (tower's own, or one of the ecosystem's) applied to it makes
+/// the service [`Queue::subscribe_service`](crate::Queue::subscribe_service) runs, and
+/// [`Queue::subscribe_layered`](crate::Queue::subscribe_layered) does both in one call.
+///
+/// The service's request is the [`Job`] (or, for a handler of a row lock transaction, the job
+/// and its [`JobTransaction`]), its response the [`Outcome`], its error a [`BoxError`]. A
+/// panic in the handler reaches the layers around it as a [`HandlerPanicked`] error, so a
+/// layer sees every way a handler can end; the subscription still counts it as a panic.
+///
+/// ```
+/// use broker_core::{BoxError, HandlerService, Job, Outcome, Payload, handler_service};
+/// use tower_service::Service;
+///
+/// async fn handle(job: Job<Payload<String>>) -> Result<Outcome, BoxError> {
+///     Ok(Outcome::Ack)
+/// }
+/// let service: HandlerService<_> = handler_service(handle);
+/// fn is_a_service<S: Service<Job<Payload<String>>>>(_: &S) {}
+/// is_a_service(&service);
+/// ```
+pub struct HandlerService<F> {
+    f: Arc<F>,
+}
+
+impl<F> Clone for HandlerService<F> {
+    fn clone(&self) -> Self {
+        Self { f: self.f.clone() }
+    }
+}
+
+impl<F> std::fmt::Debug for HandlerService<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerService").finish_non_exhaustive()
+    }
+}
+
+/// Makes a handler function a [`HandlerService`], for middleware to wrap: the same functions
+/// [`Queue::subscribe`](crate::Queue::subscribe) and
+/// [`Queue::subscribe_with_transaction`](crate::Queue::subscribe_with_transaction) take.
+pub fn handler_service<F>(f: F) -> HandlerService<F> {
+    HandlerService { f: Arc::new(f) }
+}
+
+impl<T, F, Fut> Service<Job<T>> for HandlerService<F>
+where
+    T: Send + 'static,
+    F: Fn(Job<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future + Send + 'static,
+    Fut::Output: IntoOutcome,
+{
+    type Response = Outcome;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, HandlerResult>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, job: Job<T>) -> Self::Future {
+        let f = self.f.clone();
+        caught(async move { f(job).await.into_outcome() })
+    }
+}
+
+impl<B, T, F, Fut> Service<(Job<T>, JobTransaction<B>)> for HandlerService<F>
+where
+    B: Backend,
+    T: Send + 'static,
+    F: Fn(Job<T>, JobTransaction<B>) -> Fut + Send + Sync + 'static,
+    Fut: Future + Send + 'static,
+    Fut::Output: IntoOutcome,
+{
+    type Response = Outcome;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, HandlerResult>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, (job, tx): (Job<T>, JobTransaction<B>)) -> Self::Future {
+        let f = self.f.clone();
+        caught(async move { f(job, tx).await.into_outcome() })
+    }
+}
+
+/// Runs a handler's future, a panic in it (or in the call that made it) becoming a
+/// [`HandlerPanicked`] error.
+fn caught(
+    handler: impl Future<Output = HandlerResult> + Send + 'static,
+) -> BoxFuture<'static, HandlerResult> {
+    Box::pin(async move {
+        match CatchUnwind(Box::pin(handler)).await {
+            Ok(result) => result,
+            Err(panic) => Err(HandlerPanicked {
+                message: panic_message(&panic).to_owned(),
+            }
+            .into()),
+        }
+    })
+}
+
+/// The error a [`HandlerService`] returns for a handler that panicked, so the layers around it
+/// see the panic as an error. The subscription counts it as a panic (the `panics` counter) and
+/// writes `panic: <message>` as the row's last error, as for a handler subscribed without
+/// middleware.
+#[derive(Debug)]
+pub struct HandlerPanicked {
+    message: String,
+}
+
+impl HandlerPanicked {
+    /// The text the panic carried (`(no message)` when it was not a string).
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for HandlerPanicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "panic: {}", self.message)
+    }
+}
+
+impl std::error::Error for HandlerPanicked {}
+
 /// The text a panic carries, for logs and the row's last error.
-pub(super) fn panic_message(panic: &Box<dyn Any + Send>) -> &str {
+pub(crate) fn panic_message(panic: &Box<dyn Any + Send>) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -31,7 +31,10 @@ use sqlx::{Database, FromRow};
 use tokio::sync::watch;
 
 pub(crate) use handler::Handler;
-pub use handler::{BoxError, BoxFuture, HandlerResult, IntoOutcome};
+pub use handler::{
+    BoxError, BoxFuture, HandlerPanicked, HandlerResult, HandlerService, IntoOutcome,
+    handler_service,
+};
 pub use options::{DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions};
 
 use crate::claim_mode::ClaimMode;

@@ -9,7 +9,7 @@ use sqlx::{Database, FromRow};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument;
 
-use super::handler::{CatchUnwind, Handler, panic_message};
+use super::handler::{CatchUnwind, Handler, HandlerPanicked, panic_message};
 use super::options::SubscribeOptions;
 use super::timing::claim_backoff;
 use super::{Health, InFlight, Waiting};
@@ -177,6 +177,13 @@ where
             Outcome::Retry
         }
         Ok(Ok(outcome)) => outcome,
+        // A panic that a handler service turned into an error, for its layers to see: still a
+        // panic.
+        Ok(Err(e)) if e.is::<HandlerPanicked>() => {
+            inner.metrics.add(Counter::Panics, 1);
+            tracing::error!(parent: &span, panic = %e, "handler panicked; retrying");
+            backoff_due(attempt)
+        }
         Ok(Err(e)) => {
             inner.metrics.add(Counter::HandlerErrors, 1);
             tracing::warn!(parent: &span, error = %e, "handler failed; retrying");

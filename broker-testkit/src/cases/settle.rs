@@ -268,7 +268,7 @@ pub async fn prefetched_rows_keep_their_leases_while_they_wait<D: TestDb>() {
 }
 
 /// A plain table beside the case's, for the handler's own writes.
-async fn side_table<D: TestDb>(
+pub(crate) async fn side_table<D: TestDb>(
     fx: &Fixture<D>,
 ) -> (broker_core::TableDescription, Queue<D::B, D::Job>) {
     let side = broker_core::TableDescription::builder(unique_name("side"))
