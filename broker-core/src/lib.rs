@@ -64,6 +64,7 @@
 
 pub mod admin;
 mod broker;
+mod cancel;
 mod claim_mode;
 mod delivery;
 pub mod doctor;
@@ -87,6 +88,7 @@ pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
 #[cfg(feature = "metrics")]
 pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
+pub use cancel::{CancelReason, CancelSignal};
 pub use claim_mode::{ClaimMode, ModeColumns};
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
@@ -102,8 +104,8 @@ pub use schedule::{
     Scheduled, Tick,
 };
 pub use subscription::{
-    BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerResult, Health, IntoOutcome,
-    MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
+    BoxError, BoxFuture, DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, HandlerResult, Health,
+    IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
@@ -117,13 +119,14 @@ pub mod api {
     #[cfg(feature = "metrics")]
     pub use crate::DepthExport;
     pub use crate::{
-        BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
-        DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
-        HandlerResult, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState, JobTransaction,
-        KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns, NewJob, Outcome,
-        Page, Pause, Payload, Queue, QueueStats, Result, RowState, RowTransaction,
-        SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status, SubscribeOptions,
-        Subscription, TableBuilder, TableDescription, TxGuard, Value,
+        BoxError, Broker, CancelReason, CancelSignal, Check, ClaimMode, ColumnType, Count,
+        DEFAULT_CANCEL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_POLL_COOLDOWN, DeadLetter,
+        DeadLetters, Delivery, DoctorOptions, DoctorReport, HandlerResult, Health, IntoOutcome,
+        IsolationLevel, Job, JobInfo, JobState, JobTransaction, KeyPart, KeyTemplate,
+        MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns, NewJob, Outcome, Page, Pause, Payload,
+        Queue, QueueStats, Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport,
+        SqlxBrokerError, Status, SubscribeOptions, Subscription, TableBuilder, TableDescription,
+        TxGuard, Value,
     };
     pub use crate::{
         DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, MAX_UNIQUE_KEY_CHARS,

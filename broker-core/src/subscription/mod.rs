@@ -15,6 +15,7 @@
 //! - [`work`]: one claimed row, from lease renewal through the handler to settlement.
 
 mod claim_loop;
+mod deadline;
 mod handler;
 mod options;
 mod pause;
@@ -32,7 +33,9 @@ use tokio::sync::watch;
 
 pub(crate) use handler::Handler;
 pub use handler::{BoxError, BoxFuture, HandlerResult, IntoOutcome};
-pub use options::{DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions};
+pub use options::{
+    DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions,
+};
 
 use crate::claim_mode::ClaimMode;
 use crate::driver::Backend;
