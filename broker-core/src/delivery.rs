@@ -103,10 +103,14 @@ impl<T> Job<T> {
     /// before its future is dropped. Never completes for a delivery that is not cancelled; use
     /// it in a `select!` beside the work (see [`CancelSignal`]).
     ///
+    /// The future holds a handle on the signal, not a borrow of the job, so it is `Send`
+    /// whatever the row type, and the handler may move the job while it waits.
+    ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn cancelled(&self) -> CancelReason {
-        self.cancel.cancelled().await
+    pub fn cancelled(&self) -> impl std::future::Future<Output = CancelReason> + Send + 'static {
+        let signal = self.cancel.clone();
+        async move { signal.cancelled().await }
     }
 
     /// Whether the delivery has been cancelled (see [`cancelled`](Self::cancelled)).
