@@ -93,7 +93,8 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        let mut t = self.track.lock().unwrap();
+        // A case that failed poisons the lock; its handlers still drop quietly.
+        let mut t = self.track.lock().unwrap_or_else(|p| p.into_inner());
         *t.in_work.get_mut(&self.id).unwrap() -= 1;
         t.runs.get_mut(&self.id).unwrap()[self.index].ended = Some(Instant::now());
     }
