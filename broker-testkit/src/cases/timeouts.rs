@@ -310,6 +310,10 @@ async fn timed_out_transaction_case<D: TestDb>(hold_guard: bool) {
                     if running.index == 0 {
                         if !hold_guard {
                             drop(guard);
+                            // The signal reaches a handler that took the transaction too; this
+                            // one sees it, then ignores it.
+                            let reason = job.cancelled().await;
+                            assert!(matches!(reason, CancelReason::TimedOut { .. }));
                         }
                         std::future::pending::<()>().await;
                     }
@@ -340,6 +344,7 @@ async fn timed_out_transaction_case<D: TestDb>(hold_guard: bool) {
         runs[1].started >= runs[0].ended.expect("dropped"),
         "{runs:?}"
     );
+    assert!(runs[0].signalled.is_some() && !runs[0].returned, "{runs:?}");
     let (_, timed_out_write) = written[0];
     let (_, acked_write) = written[1];
     assert!(
