@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use sqlx::{Database, FromRow};
 
+use crate::cancel::{CancelReason, CancelSignal};
 use crate::claim_mode::ClaimMode;
 use crate::driver::clock;
 use crate::driver::{Action, Backend, ClaimedRow, Position, RowTransaction, Settle};
@@ -56,6 +57,7 @@ pub struct Job<T> {
     payload: T,
     table: Arc<TableDescription>,
     lease_expires_ms: Option<i64>,
+    cancel: CancelSignal,
 }
 
 impl<T> Job<T> {
@@ -93,6 +95,38 @@ impl<T> Job<T> {
     /// subscription renews it every half lease while the handler runs.
     pub fn lease_expires_ms(&self) -> Option<i64> {
         self.lease_expires_ms
+    }
+
+    /// Completes, with the reason, once the delivery is cancelled: its timeout passed (see
+    /// [`SubscribeOptions::timeout`](crate::SubscribeOptions::timeout)). The handler then has
+    /// the subscription's [`cancel_grace`](crate::SubscribeOptions::cancel_grace) to return
+    /// before its future is dropped. Never completes for a delivery that is not cancelled; use
+    /// it in a `select!` beside the work (see [`CancelSignal`]).
+    ///
+    /// The future holds a handle on the signal, not a borrow of the job, so it is `Send`
+    /// whatever the row type, and the handler may move the job while it waits.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub fn cancelled(&self) -> impl std::future::Future<Output = CancelReason> + Send + 'static {
+        let signal = self.cancel.clone();
+        async move { signal.cancelled().await }
+    }
+
+    /// Whether the delivery has been cancelled (see [`cancelled`](Self::cancelled)).
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
+    /// Why the delivery was cancelled, once it has been.
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        self.cancel.reason()
+    }
+
+    /// The delivery's cancel signal, to hand to a task the handler spawns or to keep after
+    /// [`into_payload`](Self::into_payload).
+    pub fn cancel_signal(&self) -> CancelSignal {
+        self.cancel.clone()
     }
 }
 
@@ -149,6 +183,11 @@ impl<B: Backend> std::ops::DerefMut for TxGuard<'_, B> {
 }
 
 impl<B: Backend> JobTransaction<B> {
+    /// Whether a [`TxGuard`] of it is out now (the handler may be mid-statement on it).
+    pub(crate) fn in_use(&self) -> bool {
+        self.slot.try_lock().is_err()
+    }
+
     /// The transaction. The first call marks where the handler's writes begin (a savepoint, one
     /// statement); a handler that never calls it costs none.
     ///
@@ -543,6 +582,7 @@ impl<B: Backend, T> Delivery<B, T> {
                 .expect("a delivery hands its row to one handler"),
             table: self.queue.table.clone(),
             lease_expires_ms: self.lease_expires_ms(),
+            cancel: CancelSignal::new(),
         }
     }
 
@@ -560,6 +600,17 @@ impl<B: Backend, T> Delivery<B, T> {
                 self.hold = other;
                 None
             }
+        }
+    }
+
+    /// Closes the connection of the transaction this delivery holds when it drops, instead of
+    /// giving it back to the pool (row lock mode; nothing otherwise): a handler dropped while it
+    /// held the transaction may have left a statement half sent or half read, and the next
+    /// user of the connection must not read its reply. The server then rolls the transaction
+    /// back.
+    pub(crate) fn close_transaction_on_drop(&mut self) {
+        if let Some(Hold::RowLock(h)) = &mut self.hold {
+            h.tx_mut().close_on_drop();
         }
     }
 

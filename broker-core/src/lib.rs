@@ -64,6 +64,7 @@
 
 pub mod admin;
 mod broker;
+mod cancel;
 mod claim_mode;
 mod delivery;
 pub mod doctor;
@@ -87,6 +88,7 @@ pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
 #[cfg(feature = "metrics")]
 pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
+pub use cancel::{CancelReason, CancelSignal};
 pub use claim_mode::{ClaimMode, ModeColumns};
 pub use delivery::{Delivery, Job, JobTransaction, Outcome, TxGuard};
 pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
@@ -102,9 +104,9 @@ pub use schedule::{
     Scheduled, Tick,
 };
 pub use subscription::{
-    BoxError, BoxFuture, DEFAULT_POLL_COOLDOWN, HandlerPanicked, HandlerResult, HandlerService,
-    Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport, SubscribeOptions, Subscription,
-    handler_service,
+    BoxError, BoxFuture, DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, HandlerPanicked,
+    HandlerResult, HandlerService, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
+    SubscribeOptions, Subscription, handler_service,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
@@ -118,13 +120,14 @@ pub mod api {
     #[cfg(feature = "metrics")]
     pub use crate::DepthExport;
     pub use crate::{
-        BoxError, Broker, Check, ClaimMode, ColumnType, Count, DEFAULT_LEASE_SECONDS,
-        DEFAULT_POLL_COOLDOWN, DeadLetter, DeadLetters, Delivery, DoctorOptions, DoctorReport,
-        HandlerPanicked, HandlerResult, HandlerService, Health, IntoOutcome, IsolationLevel, Job,
-        JobInfo, JobState, JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL,
-        MetricsSnapshot, ModeColumns, NewJob, Outcome, Page, Pause, Payload, Queue, QueueStats,
-        Result, RowState, RowTransaction, SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError,
-        Status, SubscribeOptions, Subscription, TableBuilder, TableDescription, TxGuard, Value,
+        BoxError, Broker, CancelReason, CancelSignal, Check, ClaimMode, ColumnType, Count,
+        DEFAULT_CANCEL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_POLL_COOLDOWN, DeadLetter,
+        DeadLetters, Delivery, DoctorOptions, DoctorReport, HandlerPanicked, HandlerResult,
+        HandlerService, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState,
+        JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns,
+        NewJob, Outcome, Page, Pause, Payload, Queue, QueueStats, Result, RowState, RowTransaction,
+        SETTLE_FAILURE_LIMIT, ShutdownReport, SqlxBrokerError, Status, SubscribeOptions,
+        Subscription, TableBuilder, TableDescription, TxGuard, Value,
     };
     pub use crate::{BoxFuture, handler_service};
     pub use crate::{

@@ -34,10 +34,11 @@ pub(crate) enum Counter {
     Gone,
     Released,
     BatchedAcks,
+    TimedOut,
 }
 
 impl Counter {
-    const ALL: [Counter; 14] = [
+    const ALL: [Counter; 15] = [
         Counter::Claimed,
         Counter::Acked,
         Counter::Retried,
@@ -52,6 +53,7 @@ impl Counter {
         Counter::Gone,
         Counter::Released,
         Counter::BatchedAcks,
+        Counter::TimedOut,
     ];
 
     /// The exported counter's name.
@@ -72,6 +74,7 @@ impl Counter {
             Self::Gone => "sqlx_broker_gone_total",
             Self::Released => "sqlx_broker_released_total",
             Self::BatchedAcks => "sqlx_broker_batched_acks_total",
+            Self::TimedOut => "sqlx_broker_timed_out_total",
         }
     }
 
@@ -231,6 +234,7 @@ impl Metrics {
             gone: self.get(Counter::Gone),
             released: self.get(Counter::Released),
             batched_acks: self.get(Counter::BatchedAcks),
+            timed_out: self.get(Counter::TimedOut),
         }
     }
 }
@@ -299,6 +303,12 @@ pub struct MetricsSnapshot {
     /// where the backend acks many rows at once: acks that finish close together share one
     /// statement and one commit). Not one of the seven counters above: a part of `acked`.
     pub batched_acks: u64,
+    /// Handlers that ran past their timeout
+    /// ([`SubscribeOptions::timeout`](crate::SubscribeOptions::timeout)): each was signalled,
+    /// then dropped if it had not returned within the grace. Not one of the seven counters
+    /// above: the row leaves work through one of them too (usually `retried` or
+    /// `dead_lettered`).
+    pub timed_out: u64,
 }
 
 /// Counts a delivery in `in_work` (and the exported gauge) until it leaves work, however it

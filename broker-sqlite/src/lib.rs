@@ -108,6 +108,9 @@ pub mod guide {
     /// `docs/handlers.md`.
     #[doc = include_str!("../../docs/handlers.md")]
     pub struct Handlers;
+    /// `docs/timeouts-and-cancelling.md`.
+    #[doc = include_str!("../../docs/timeouts-and-cancelling.md")]
+    pub struct TimeoutsAndCancelling;
     /// `docs/typed-rows.md`.
     #[doc = include_str!("../../docs/typed-rows.md")]
     pub struct TypedRows;

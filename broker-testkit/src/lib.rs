@@ -215,6 +215,12 @@ macro_rules! conformance_suite {
                 two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack,
                 eight_publishers_of_one_key_beside_an_acking_worker_never_fail,
             );
+            // Timeouts (cases/timeouts.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                a_hung_handler_is_signalled_then_dropped_after_the_grace_and_retried,
+                a_handler_that_watches_its_cancel_signal_returns_early_and_still_timed_out,
+                a_timed_out_delivery_and_the_rows_next_delivery_never_overlap,
+            );
         }
     };
     // Cases of one mode only: row lock's transaction, the fences of lease and advisory.
@@ -224,6 +230,11 @@ macro_rules! conformance_suite {
             row_lock_handler_writes_commit_with_the_ack_only,
             a_subscribed_handler_writes_through_its_transaction,
             a_busy_subscription_claims_on_its_last_connection_and_gives_it_back_when_idle,
+        );
+        // Timeouts (cases/timeouts.rs).
+        $crate::conformance_suite!(@plain $db;
+            a_timed_out_handlers_transaction_writes_roll_back,
+            a_handler_timed_out_holding_its_transaction_has_the_connection_closed,
         );
         $crate::conformance_suite!(@each $db; row_lock;
             fifo_groups_take_turns,

@@ -15,6 +15,7 @@
 //! - [`work`]: one claimed row, from lease renewal through the handler to settlement.
 
 mod claim_loop;
+mod deadline;
 mod handler;
 mod options;
 mod pause;
@@ -35,7 +36,9 @@ pub use handler::{
     BoxError, BoxFuture, HandlerPanicked, HandlerResult, HandlerService, IntoOutcome,
     handler_service,
 };
-pub use options::{DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions};
+pub use options::{
+    DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions,
+};
 
 use crate::claim_mode::ClaimMode;
 use crate::driver::Backend;

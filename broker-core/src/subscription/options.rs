@@ -13,6 +13,10 @@ pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// looks again after 25 ms.
 pub const DEFAULT_POLL_COOLDOWN: Duration = Duration::from_millis(25);
 
+/// The default [`SubscribeOptions::cancel_grace`]: a timed-out handler has 5 s to return after
+/// its cancel signal before its future is dropped.
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
+
 /// How a subscription runs.
 #[derive(Debug, Clone)]
 #[must_use]
@@ -28,6 +32,8 @@ pub struct SubscribeOptions {
     /// Whether `error_backoff` was set (the default's 1 s applies quietly).
     pub(super) error_backoff_set: bool,
     pub(super) max_claims_in_flight: Option<usize>,
+    pub(super) timeout: Option<Duration>,
+    pub(super) cancel_grace: Duration,
 }
 
 impl Default for SubscribeOptions {
@@ -43,6 +49,8 @@ impl Default for SubscribeOptions {
             error_backoff_max: Duration::from_secs(300),
             error_backoff_set: false,
             max_claims_in_flight: None,
+            timeout: None,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
     }
 }
@@ -149,6 +157,28 @@ impl SubscribeOptions {
         self.max_claims_in_flight = Some(n);
         self
     }
+    /// How long a handler may run (none by default: a handler may run as long as it likes).
+    /// When the timeout passes, the job's cancel signal is raised
+    /// ([`Job::cancelled`](crate::Job::cancelled)); a handler still running after
+    /// [`cancel_grace`](Self::cancel_grace) more is dropped. Either way the delivery counts as a
+    /// failed attempt: the row is retried after the [`error_backoff`](Self::error_backoff) (or
+    /// dead-lettered when its attempts are spent), its `last_error` reads `timed out after
+    /// <timeout>`, the lease stops being renewed, and a row lock transaction rolls back with
+    /// the handler's writes. The handler's future is dropped before the row is given back, so
+    /// the row's next delivery never overlaps it. Zero is refused at subscribe. See
+    /// docs/timeouts-and-cancelling.md.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+    /// How long a handler whose timeout passed may take to return after its cancel signal
+    /// before its future is dropped ([`DEFAULT_CANCEL_GRACE`] by default; zero drops it at
+    /// once). What it returns within the grace does not change the outcome: the delivery timed
+    /// out.
+    pub fn cancel_grace(mut self, grace: Duration) -> Self {
+        self.cancel_grace = grace;
+        self
+    }
 
     /// Refuses values the engine cannot run with, naming the option and what is accepted.
     pub(super) fn check(&self, table: &str) -> crate::Result<()> {
@@ -201,6 +231,14 @@ impl SubscribeOptions {
                 "a subscription would claim in a loop while rows trickle in",
             );
         }
+        if self.timeout == Some(Duration::ZERO) {
+            return refuse(
+                "timeout",
+                "0s".into(),
+                "1ms or more (or leave it unset for no timeout)",
+                "every handler would time out before it started",
+            );
+        }
         if self.error_backoff > self.error_backoff_max {
             return refuse(
                 "error_backoff",
@@ -243,6 +281,16 @@ impl SubscribeOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zero_timeout_is_refused_naming_the_option() {
+        let e = SubscribeOptions::new()
+            .timeout(Duration::ZERO)
+            .check("jobs")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("timeout") && e.contains("1ms or more"), "{e}");
+    }
 
     #[test]
     fn a_zero_poll_cooldown_is_refused() {

@@ -9,7 +9,8 @@ use sqlx::{Database, FromRow};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument;
 
-use super::handler::{CatchUnwind, Handler, HandlerPanicked, panic_message};
+use super::deadline::{self, Ran};
+use super::handler::{CatchUnwind, Handler, HandlerPanicked, HandlerResult, panic_message};
 use super::options::SubscribeOptions;
 use super::timing::claim_backoff;
 use super::{Health, InFlight, Waiting};
@@ -124,18 +125,49 @@ where
                 .started_after_due((crate::driver::clock::now_ms() - due) as f64 / 1000.0);
         }
         let job = delivery.take_job();
+        let signal = job.cancel_signal();
         let lent = if engine.handler.lends_transaction {
             delivery.lend_transaction()
         } else {
             None
         };
         let started = std::time::Instant::now();
-        let result = CatchUnwind((engine.handler.f)(job, lent.clone()))
-            .instrument(span.clone())
-            .await;
+        let ran = deadline::run(
+            CatchUnwind((engine.handler.f)(job, lent.clone())),
+            options.timeout,
+            options.cancel_grace,
+            &signal,
+        )
+        .instrument(span.clone())
+        .await;
+        let handled = match ran {
+            Ran::Returned(result) => Handled::Returned(result),
+            Ran::TimedOut { reason, left } => {
+                // A guard out while the handler is dropped: it may be mid-statement on the
+                // row lock transaction, whose connection then must not be used again.
+                let mid_statement = left.is_some() && lent.as_ref().is_some_and(|l| l.in_use());
+                // Dropped here, before the row is settled or given back: nothing of this
+                // delivery runs once the row's next delivery can start.
+                drop(left);
+                inner.metrics.add(Counter::TimedOut, 1);
+                Handled::TimedOut {
+                    reason,
+                    mid_statement,
+                }
+            }
+        };
         inner.metrics.handler_ran(started.elapsed().as_secs_f64());
         if let Some(lent) = lent {
             delivery.take_back(lent);
+        }
+        if matches!(
+            handled,
+            Handled::TimedOut {
+                mid_statement: true,
+                ..
+            }
+        ) {
+            delivery.close_transaction_on_drop();
         }
         // Stored if the renewal is mid-statement; it stops after that statement.
         stop_renewal.notify_one();
@@ -152,9 +184,9 @@ where
         } else {
             (Some((slot, in_work)), false)
         };
-        (result, keep)
+        (handled, keep)
     };
-    let ((result, (kept, left_in_shutdown)), ()) = tokio::join!(running, renewal);
+    let ((handled, (kept, left_in_shutdown)), ()) = tokio::join!(running, renewal);
 
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
@@ -165,39 +197,69 @@ where
         }
     };
     // What the row's last_error column keeps, where the table has one.
-    let error_text = match &result {
-        Ok(Err(e)) => Some(e.to_string()),
-        Err(panic) => Some(format!("panic: {}", panic_message(panic))),
-        Ok(Ok(_)) => None,
+    let error_text = match &handled {
+        Handled::Returned(Ok(Err(e))) => Some(e.to_string()),
+        Handled::Returned(Err(panic)) => Some(format!("panic: {}", panic_message(panic))),
+        Handled::Returned(Ok(Ok(_))) => None,
+        Handled::TimedOut {
+            mid_statement: true,
+            ..
+        } => None,
+        Handled::TimedOut { reason, .. } => Some(reason.to_string()),
     }
     .filter(|_| inner.table.last_error().is_some());
-    let outcome = match result {
-        Ok(Ok(Outcome::RetryAfter(d))) if inner.table.due_at().is_none() && !d.is_zero() => {
-            tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
-            Outcome::Retry
+    let outcome = match handled {
+        Handled::TimedOut {
+            mid_statement: true,
+            ..
+        } => {
+            // The transaction closes with its connection: the server rolls it back and the row
+            // is due again at once, its attempt not counted (as when a process dies).
+            tracing::warn!(parent: &span, "handler timed out while it held its row lock transaction; closing the transaction's connection, which releases the row");
+            None
         }
-        Ok(Ok(outcome)) => outcome,
+        Handled::TimedOut { reason, .. } => {
+            tracing::warn!(parent: &span, %reason, "handler timed out; retrying");
+            Some(backoff_due(attempt))
+        }
+        Handled::Returned(Ok(Ok(Outcome::RetryAfter(d))))
+            if inner.table.due_at().is_none() && !d.is_zero() =>
+        {
+            tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
+            Some(Outcome::Retry)
+        }
+        Handled::Returned(Ok(Ok(outcome))) => Some(outcome),
         // A panic that a handler service turned into an error, for its layers to see: still a
         // panic.
-        Ok(Err(e)) if e.is::<HandlerPanicked>() => {
+        Handled::Returned(Ok(Err(e))) if e.is::<HandlerPanicked>() => {
             inner.metrics.add(Counter::Panics, 1);
             tracing::error!(parent: &span, panic = %e, "handler panicked; retrying");
-            backoff_due(attempt)
+            Some(backoff_due(attempt))
         }
-        Ok(Err(e)) => {
+        Handled::Returned(Ok(Err(e))) => {
             inner.metrics.add(Counter::HandlerErrors, 1);
             tracing::warn!(parent: &span, error = %e, "handler failed; retrying");
-            backoff_due(attempt)
+            Some(backoff_due(attempt))
         }
-        Err(panic) => {
+        Handled::Returned(Err(panic)) => {
             inner.metrics.add(Counter::Panics, 1);
             tracing::error!(parent: &span, panic = panic_message(&panic), "handler panicked; retrying");
-            backoff_due(attempt)
+            Some(backoff_due(attempt))
         }
+    };
+    // None: give the row back unsettled (see above).
+    let (outcome, settle) = match outcome {
+        Some(outcome) => (outcome, true),
+        None => (Outcome::Retry, false),
     };
     let number = engine.settlements.fetch_add(1, Ordering::Relaxed);
     let timed = InFlight::begin(&engine.health, Waiting::Settlement(number));
-    let settled = delivery.settle(outcome).await;
+    let settled = if settle {
+        delivery.settle(outcome).await
+    } else {
+        drop(delivery);
+        Ok(())
+    };
     drop(timed);
     match settled {
         Err(e) => {
@@ -236,6 +298,20 @@ where
         engine.wake.notify_one();
     }
     in_shutdown
+}
+
+/// How the handler of a delivery ended.
+enum Handled {
+    /// It returned (or panicked) before its timeout.
+    Returned(Result<HandlerResult, Box<dyn std::any::Any + Send>>),
+    /// Its timeout passed: it was signalled, and dropped unless it returned within the grace;
+    /// whatever it returned, the delivery is a failed attempt.
+    TimedOut {
+        reason: crate::CancelReason,
+        /// It was dropped while it held its row lock transaction (see
+        /// [`Delivery::close_transaction_on_drop`]): the row is given back unsettled.
+        mid_statement: bool,
+    },
 }
 
 /// Counts a delivery task in [`Engine::holding`] until it ends, however it ends.

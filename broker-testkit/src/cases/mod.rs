@@ -26,6 +26,7 @@ mod restart;
 mod row_type;
 mod settle;
 mod stress;
+mod timeouts;
 mod unique;
 
 pub use admin::*;
@@ -52,6 +53,7 @@ pub use restart::*;
 pub use row_type::*;
 pub use settle::*;
 pub use stress::*;
+pub use timeouts::*;
 pub use unique::*;
 
 use broker_core::{Delivery, Queue};

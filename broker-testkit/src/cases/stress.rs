@@ -134,8 +134,21 @@ impl Sink {
     }
 }
 
+/// The stress handlers' timeout: a hung one is signalled after this.
+const STRESS_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// Records a timed-out delivery's end when its handler's future ends: returned on its signal,
+/// or dropped by the engine after the grace.
+struct TimedOutEnd(Sink, usize);
+
+impl Drop for TimedOutEnd {
+    fn drop(&mut self) {
+        self.0.finish(self.1, Recorded::TimedOut);
+    }
+}
+
 /// One broker of a stress run, with random (but per-delivery deterministic) outcomes: ack,
-/// retry, delayed retry, error, panic, dead letter.
+/// retry, delayed retry, error, panic, dead letter, and hung handlers that time out.
 fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sink) -> Subscription {
     queue
         .subscribe(
@@ -145,7 +158,9 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                 .batch_size(CONCURRENCY)
                 .poll_interval(Duration::from_millis(100))
                 .shutdown_timeout(Duration::from_secs(10))
-                .error_backoff(Duration::ZERO, Duration::ZERO),
+                .error_backoff(Duration::ZERO, Duration::ZERO)
+                .timeout(STRESS_TIMEOUT)
+                .cancel_grace(Duration::from_millis(100)),
             move |job| {
                 let sink = sink.clone();
                 async move {
@@ -182,6 +197,17 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                         92..96 => {
                             sink.finish(at, Recorded::Panic);
                             std::panic::panic_any(DELIBERATE_PANIC);
+                        }
+                        // Hung handlers: one ignores its cancel signal and is dropped after
+                        // the grace, one returns on it; either way the delivery timed out, and
+                        // ends (as the history records it) when its future does.
+                        96 | 97 => {
+                            let _ends = TimedOutEnd(sink.clone(), at);
+                            if roll == 96 {
+                                std::future::pending::<()>().await;
+                            }
+                            job.cancelled().await;
+                            return Ok(Outcome::Ack);
                         }
                         _ => (Recorded::DeadLetter, Ok(Outcome::DeadLetter)),
                     };
@@ -555,11 +581,12 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
         }
     }
     crate::report(&format!(
-        "stress {mode} on {}: {} rows, {} deliveries, {} retries, {} acked, {} dead-lettered, {} deliveries cut ({} in the handler, {} by SIGKILL), faults: {}; {:.1}s",
+        "stress {mode} on {}: {} rows, {} deliveries, {} retries ({} timed out), {} acked, {} dead-lettered, {} deliveries cut ({} in the handler, {} by SIGKILL), faults: {}; {:.1}s",
         first.backend().capabilities().database,
         figures.rows,
         figures.deliveries,
         figures.retries,
+        figures.timed_out,
         figures.acked,
         figures.dead,
         figures.cut,

@@ -212,9 +212,18 @@ fn figures(run: &Run<'_>) -> Figures {
     for r in run.records {
         if matches!(
             r.outcome,
-            Some(Recorded::Retry | Recorded::RetryAfter | Recorded::Error | Recorded::Panic)
+            Some(
+                Recorded::Retry
+                    | Recorded::RetryAfter
+                    | Recorded::Error
+                    | Recorded::Panic
+                    | Recorded::TimedOut
+            )
         ) {
             figures.retries += 1;
+        }
+        if r.outcome == Some(Recorded::TimedOut) {
+            figures.timed_out += 1;
         }
         if let Some(c) = r.cut {
             figures.cut += 1;

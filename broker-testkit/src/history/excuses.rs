@@ -49,6 +49,7 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
     let excused = |cond: bool, why: Excuse| cond.then_some(why);
     match violation {
         Violation::RowInTwoDeliveries { first, second }
+        | Violation::TimedOutOverlapsNext { first, second }
         | Violation::KeyInTwoDeliveries { first, second }
         | Violation::GroupInTwoDeliveries { first, second } => {
             excused(run.hold_freed(first), Excuse::HoldFreed).or_else(|| {

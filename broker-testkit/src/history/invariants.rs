@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use broker_core::ClaimMode;
 
 use super::check::Run;
-use super::{Cut, Final, Record, Violation, final_of};
+use super::{Cut, Final, Record, Recorded, Violation, final_of};
 
 /// One invariant: every violation of it the run shows.
 type Invariant = fn(&Run<'_>) -> Vec<Violation>;
@@ -15,6 +15,7 @@ type Invariant = fn(&Run<'_>) -> Vec<Violation>;
 pub(super) const INVARIANTS: &[Invariant] = &[
     every_handler_returned,
     a_row_is_in_one_delivery_at_a_time,
+    a_timed_out_delivery_ends_before_the_rows_next_one,
     a_key_is_in_one_delivery_at_a_time,
     a_group_is_in_one_delivery_at_a_time,
     a_group_runs_its_rows_in_order,
@@ -41,6 +42,20 @@ fn a_row_is_in_one_delivery_at_a_time(run: &Run<'_>) -> Vec<Violation> {
         .values()
         .flat_map(|list| overlaps(list))
         .map(|(first, second)| Violation::RowInTwoDeliveries { first, second })
+        .collect()
+}
+
+/// A timed-out handler's future is dropped before its row is given back, so the row's next
+/// delivery starts only after it ended (returned within the grace, or dropped).
+fn a_timed_out_delivery_ends_before_the_rows_next_one(run: &Run<'_>) -> Vec<Violation> {
+    pairs(run)
+        .filter(|(a, b)| {
+            a.outcome == Some(Recorded::TimedOut) && a.end.is_some_and(|end| b.start < end)
+        })
+        .map(|(a, b)| Violation::TimedOutOverlapsNext {
+            first: Box::new(a.clone()),
+            second: Box::new(b.clone()),
+        })
         .collect()
 }
 

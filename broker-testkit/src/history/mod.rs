@@ -56,6 +56,9 @@ pub enum Recorded {
     Panic,
     /// Returned `Outcome::DeadLetter`.
     DeadLetter,
+    /// Ran past its timeout: signalled, then returned within the grace or dropped after it
+    /// (recorded when its future ended either way). A failed attempt, like an error.
+    TimedOut,
 }
 
 impl Recorded {
@@ -72,6 +75,7 @@ impl Recorded {
             Self::Error => "error",
             Self::Panic => "panic",
             Self::DeadLetter => "dead_letter",
+            Self::TimedOut => "timed_out",
         }
     }
 
@@ -84,6 +88,7 @@ impl Recorded {
             Self::Error,
             Self::Panic,
             Self::DeadLetter,
+            Self::TimedOut,
         ]
         .into_iter()
         .find(|r| r.name() == name)
@@ -197,8 +202,10 @@ pub struct Figures {
     pub rows: usize,
     /// Deliveries started.
     pub deliveries: usize,
-    /// Deliveries that ended in a retry, an error or a panic.
+    /// Deliveries that ended in a retry, an error, a panic or a timeout.
     pub retries: usize,
+    /// Of those, deliveries that timed out.
+    pub timed_out: usize,
     /// Deliveries a fault reached (see [`Cut`]).
     pub cut: usize,
     /// Of those, deliveries whose process was killed.

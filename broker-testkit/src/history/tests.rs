@@ -971,3 +971,22 @@ fn a_kill_marks_every_handler_that_started_before_it_ended() {
         &missed[..missed.len().min(3)]
     );
 }
+
+#[test]
+fn a_timed_out_delivery_still_running_when_its_rows_next_one_began_is_found() {
+    let timed_out = plain(1, 1, 0, 10, Some(Recorded::TimedOut));
+    let h = history(vec![
+        timed_out.clone(),
+        plain(1, 2, 5, 15, Some(Recorded::Ack)),
+    ]);
+    assert_eq!(
+        judged(&h, &unordered(ClaimMode::Lease, GONE)),
+        [("RowInTwoDeliveries", None), ("TimedOutOverlapsNext", None)]
+    );
+    // Dropped before the next delivery began: a failed attempt like an error.
+    let h = history(vec![timed_out, plain(1, 2, 10, 15, Some(Recorded::Ack))]);
+    settled(&h, 1, 1, 10);
+    settled(&h, 1, 2, 16);
+    let f = h.check(&unordered(ClaimMode::Lease, GONE)).unwrap();
+    assert_eq!((f.retries, f.timed_out, f.acked), (1, 1, 1));
+}

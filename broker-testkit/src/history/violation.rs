@@ -26,6 +26,14 @@ pub enum Violation {
         /// The delivery that began before `first` ended.
         second: Box<Record>,
     },
+    /// A timed-out delivery's handler had not ended (returned, or been dropped) when the row's
+    /// next delivery began (issue #48: the future is dropped before the row is given back).
+    TimedOutOverlapsNext {
+        /// The timed-out delivery.
+        first: Box<Record>,
+        /// The row's next delivery, which began before `first` ended.
+        second: Box<Record>,
+    },
     /// Two rows of one advisory key in work at once (SPEC 5, 10).
     KeyInTwoDeliveries {
         /// The delivery that held the key.
@@ -127,6 +135,7 @@ impl Violation {
         match self {
             Self::StillRunning { .. } => "StillRunning",
             Self::RowInTwoDeliveries { .. } => "RowInTwoDeliveries",
+            Self::TimedOutOverlapsNext { .. } => "TimedOutOverlapsNext",
             Self::KeyInTwoDeliveries { .. } => "KeyInTwoDeliveries",
             Self::GroupInTwoDeliveries { .. } => "GroupInTwoDeliveries",
             Self::GroupOutOfOrder { .. } => "GroupOutOfOrder",
@@ -145,6 +154,7 @@ impl Violation {
     pub(super) fn pair(&self) -> Option<(&Record, &Record)> {
         match self {
             Self::RowInTwoDeliveries { first, second }
+            | Self::TimedOutOverlapsNext { first, second }
             | Self::KeyInTwoDeliveries { first, second }
             | Self::GroupInTwoDeliveries { first, second }
             | Self::GroupOutOfOrder { first, second, .. }
@@ -167,6 +177,10 @@ impl fmt::Display for Violation {
                 write!(f, "still running at the check [{name}]: {delivery:?}")?;
             }
             Self::RowInTwoDeliveries { .. } => write!(f, "one row in two deliveries at once")?,
+            Self::TimedOutOverlapsNext { .. } => write!(
+                f,
+                "a timed-out delivery was still running when its row's next delivery began"
+            )?,
             Self::KeyInTwoDeliveries { .. } => write!(f, "one key in two deliveries at once")?,
             Self::GroupInTwoDeliveries { .. } => write!(f, "one group in two deliveries at once")?,
             Self::GroupOutOfOrder {
