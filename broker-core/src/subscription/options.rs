@@ -28,6 +28,7 @@ pub struct SubscribeOptions {
     /// Whether `error_backoff` was set (the default's 1 s applies quietly).
     pub(super) error_backoff_set: bool,
     pub(super) max_claims_in_flight: Option<usize>,
+    pub(super) max_snoozes: Option<u32>,
 }
 
 impl Default for SubscribeOptions {
@@ -43,6 +44,7 @@ impl Default for SubscribeOptions {
             error_backoff_max: Duration::from_secs(300),
             error_backoff_set: false,
             max_claims_in_flight: None,
+            max_snoozes: None,
         }
     }
 }
@@ -148,6 +150,52 @@ impl SubscribeOptions {
     pub fn max_claims_in_flight(mut self, n: usize) -> Self {
         self.max_claims_in_flight = Some(n);
         self
+    }
+
+    /// How many times a row may be snoozed ([`Outcome::Snooze`](crate::Outcome::Snooze)): a
+    /// snooze of a row already snoozed `n` times dead-letters it instead (as a row whose
+    /// attempts are spent is, with the error "snoozed n times" in a `last_error` column where
+    /// the table has one). Unset: no cap. Needs the table's snooze counter column
+    /// ([`TableBuilder::snoozes`](crate::TableBuilder::snoozes)), a due-time column and a
+    /// dead-letter target; a table without them is refused at subscribe.
+    pub fn max_snoozes(mut self, n: u32) -> Self {
+        self.max_snoozes = Some(n);
+        self
+    }
+
+    /// Refuses options that `table` cannot serve, naming the option and what to change.
+    pub(super) fn check_table(&self, table: &crate::table::TableDescription) -> crate::Result<()> {
+        let Some(max) = self.max_snoozes else {
+            return Ok(());
+        };
+        let refuse = |accepted, why| {
+            Err(SqlxBrokerError::InvalidOption {
+                table: table.name().to_owned(),
+                option: "max_snoozes",
+                value: max.to_string(),
+                accepted,
+                why,
+            })
+        };
+        if table.snoozes().is_none() {
+            return refuse(
+                "a cap on a table with a snooze counter column: add .snoozes(\"snoozes\") to the table description and the column to the table (the DDL helper creates it as an integer starting at 0), or leave max_snoozes unset",
+                "the table has no snooze counter column, so the subscription cannot count a row's snoozes",
+            );
+        }
+        if table.due_at().is_none() {
+            return refuse(
+                "a cap on a table with a due-time column: add .due_at(\"..\") to the table description",
+                "a snooze makes the row due later, and the table has no due-time column",
+            );
+        }
+        if table.dead_letter().is_none() {
+            return refuse(
+                "a cap on a table with a dead-letter target: add .dead_letter(..) to the table description",
+                "a row snoozed past the cap is dead-lettered, and the table has no dead-letter target",
+            );
+        }
+        Ok(())
     }
 
     /// Refuses values the engine cannot run with, naming the option and what is accepted.
