@@ -56,6 +56,9 @@ pub enum Recorded {
     Panic,
     /// Returned `Outcome::DeadLetter`.
     DeadLetter,
+    /// Returned `Outcome::Snooze`: the row comes back without an attempt spent (the history
+    /// assumes no `max_snoozes`, so a snooze never finishes a row).
+    Snooze,
 }
 
 impl Recorded {
@@ -72,6 +75,7 @@ impl Recorded {
             Self::Error => "error",
             Self::Panic => "panic",
             Self::DeadLetter => "dead_letter",
+            Self::Snooze => "snooze",
         }
     }
 
@@ -84,6 +88,7 @@ impl Recorded {
             Self::Error,
             Self::Panic,
             Self::DeadLetter,
+            Self::Snooze,
         ]
         .into_iter()
         .find(|r| r.name() == name)
@@ -199,6 +204,8 @@ pub struct Figures {
     pub deliveries: usize,
     /// Deliveries that ended in a retry, an error or a panic.
     pub retries: usize,
+    /// Deliveries that ended in a snooze.
+    pub snoozes: usize,
     /// Deliveries a fault reached (see [`Cut`]).
     pub cut: usize,
     /// Of those, deliveries whose process was killed.
@@ -243,6 +250,8 @@ fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
     match r.outcome? {
         Recorded::Ack => Some(Final::Gone),
         Recorded::DeadLetter => Some(Final::Dead),
+        // A snooze spends no attempt, so `max_attempts` never dead-letters it.
+        Recorded::Snooze => None,
         _ if max_attempts.is_some_and(|m| r.attempt >= i64::from(m)) => Some(Final::Dead),
         o => {
             debug_assert!(!o.finishes());
