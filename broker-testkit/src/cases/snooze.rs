@@ -67,14 +67,15 @@ pub async fn a_snooze_spends_no_attempt<D: TestDb>(mode: ClaimMode) {
     fx.cleanup().await;
 }
 
-/// A snoozed row is not claimed before its delay (2 s) and is claimed after it, reading the
-/// same attempt as the delivery that snoozed it.
+/// A snoozed row is not claimed before its delay (5 s, long enough that a slow machine still
+/// looks before it passes) and is claimed after it, reading the same attempt as the delivery
+/// that snoozed it.
 pub async fn a_snoozed_row_waits_for_its_delay<D: TestDb>(mode: ClaimMode) {
     let fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let id = fx.publish(&q, 1).await[0];
     let d = claim_one::<D>(&q).await;
-    let delay = Duration::from_secs(2);
+    let delay = Duration::from_secs(5);
     let snoozed_at = Instant::now();
     let before_ms = broker_core::driver::clock::now_ms();
     d.snooze(delay).await.expect("snooze");
@@ -86,7 +87,7 @@ pub async fn a_snoozed_row_waits_for_its_delay<D: TestDb>(mode: ClaimMode) {
         .due_ms
         .expect("a due time");
     assert!(
-        due >= before_ms + 2_000 - 1,
+        due >= before_ms + 5_000 - 1,
         "due {due} is the delay after {before_ms}"
     );
     assert!(
@@ -191,7 +192,8 @@ pub async fn a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers<D: TestD
     let ids = q.publish_batch(&jobs).await.expect("publish");
     let head = claim_one::<D>(&q).await;
     assert_eq!(head.id(), ids[0]);
-    head.snooze(Duration::from_secs(2)).await.expect("snooze");
+    // Long enough that the other group's row is claimed before it passes, on a slow machine too.
+    head.snooze(Duration::from_secs(5)).await.expect("snooze");
     // Everything delivered from here on, in order, by either broker, each acked at once.
     let mut order = Vec::new();
     let mut turn = 0;
