@@ -225,7 +225,8 @@ pub async fn a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers<D: TestD
 
 /// What a table cannot snooze with is refused with what to add: `max_snoozes` without a snooze
 /// counter column, or without a dead-letter target, at subscribe; a snooze by hand on a table
-/// without a due-time column, at the settlement (the row is released, nothing changes).
+/// without a due-time column, at the settlement (the row is released, nothing changes). A
+/// subscription there cannot know in advance: its handler's snooze becomes a retry at once.
 pub async fn what_a_table_cannot_snooze_with_is_refused_with_what_to_add<D: TestDb>() {
     let ok = |_job| async { Ok::<_, BoxError>(Outcome::Ack) };
     // No counter column.
@@ -284,5 +285,36 @@ pub async fn what_a_table_cannot_snooze_with_is_refused_with_what_to_add<D: Test
     let again = claim_within(&q, Duration::from_secs(10), "the released row").await;
     assert_eq!(again.id(), id);
     again.ack().await.unwrap();
+
+    // A subscription on that table whose handler snoozes: retried at once, the attempt spent
+    // (so max_attempts still bounds a handler that always snoozes).
+    let id = fx.publish(&q, 1).await[0];
+    let seen: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let record = seen.clone();
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new().poll_interval(Duration::from_millis(50)),
+            move |job| {
+                let record = record.clone();
+                async move {
+                    record.lock().unwrap().push(job.attempt());
+                    Ok::<_, BoxError>(if job.attempt() == 1 {
+                        Outcome::Snooze(Duration::from_secs(60))
+                    } else {
+                        Outcome::Ack
+                    })
+                }
+            },
+        )
+        .expect("subscribe");
+    wait_until("the row to be acked", Duration::from_secs(30), || {
+        let q = q.clone();
+        async move { q.metrics().acked == 2 }
+    })
+    .await;
+    sub.shutdown().await;
+    assert_eq!(*seen.lock().unwrap(), [1, 2], "row {id}: retried at once");
+    let m = q.metrics();
+    assert_eq!((m.snoozed, m.retried), (0, 1), "{m:?}");
     fx.cleanup().await;
 }
