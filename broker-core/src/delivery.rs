@@ -10,7 +10,7 @@ use sqlx::{Database, FromRow};
 use crate::cancel::{CancelReason, CancelSignal};
 use crate::claim_mode::ClaimMode;
 use crate::driver::clock;
-use crate::driver::{Action, Backend, ClaimedRow, Position, RowTransaction, Settle};
+use crate::driver::{Action, AdminDriver, Backend, ClaimedRow, Position, RowTransaction, Settle};
 use crate::error::{Result, SqlxBrokerError};
 use crate::inner::{SETTLE_FAILURE_LIMIT, Shared, attempts};
 use crate::metrics::Counter;
@@ -35,6 +35,13 @@ pub enum Outcome {
     RetryAfter(Duration),
     /// Dead-letter the row now.
     DeadLetter,
+    /// Put the row back, due after the delay, without spending an attempt: afterwards the
+    /// row's attempt is what it was before this delivery's claim, whatever the claim mode, so
+    /// the next delivery reports the same attempt as this one. The table needs a due-time
+    /// column. Counted in the table's snooze counter column where it has one; a subscription
+    /// with [`max_snoozes`](crate::SubscribeOptions::max_snoozes) dead-letters the row instead
+    /// once it has been snoozed that many times. See docs/handlers.md, "Snooze".
+    Snooze(Duration),
 }
 
 /// One job a subscription hands its handler: the row as the queue's row type, its id, its
@@ -58,6 +65,7 @@ pub struct Job<T> {
     table: Arc<TableDescription>,
     lease_expires_ms: Option<i64>,
     cancel: CancelSignal,
+    snoozes: Option<i64>,
 }
 
 impl<T> Job<T> {
@@ -74,6 +82,12 @@ impl<T> Job<T> {
     /// The advisory key, in advisory mode.
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
+    }
+
+    /// How many times the row was snoozed before this delivery, where the table has a snooze
+    /// counter column ([`TableBuilder::snoozes`](crate::TableBuilder::snoozes)).
+    pub fn snoozes(&self) -> Option<i64> {
+        self.snoozes
     }
 
     /// The row, as the queue's row type.
@@ -244,6 +258,11 @@ pub struct Delivery<B: Backend, T> {
     /// The hold is lent to the handler as its transaction and not taken back yet: the row is
     /// still this delivery's to account for.
     lent: bool,
+    /// The row's snoozes before this delivery, where the table counts them.
+    snoozes: Option<i64>,
+    /// The subscription's [`max_snoozes`](crate::SubscribeOptions::max_snoozes); `None` for
+    /// deliveries claimed by hand.
+    max_snoozes: Option<u32>,
 }
 
 /// Where a settled row stands in the claim order once `action` put it back: a retry moves it
@@ -252,6 +271,10 @@ fn given_back(table: &TableDescription, id: i64, action: Action) -> Option<Posit
     match action {
         Action::Retry { due_ms } => Some(Position {
             due_ms: due_ms.filter(|_| table.due_at().is_some()),
+            id,
+        }),
+        Action::Snooze { due_ms } => Some(Position {
+            due_ms: Some(due_ms),
             id,
         }),
         Action::Ack | Action::DeadLetter => None,
@@ -401,6 +424,8 @@ where
                 hold: Some(hold),
                 settle_failures: failures,
                 lent: false,
+                snoozes: claimed.snoozes,
+                max_snoozes: None,
             }),
             None => {
                 if let Some((n, last)) = failed.filter(|_| settle_keeps_failing) {
@@ -488,6 +513,12 @@ impl<B: Backend, T> Delivery<B, T> {
     /// The advisory key, in advisory mode.
     pub fn key(&self) -> Option<&str> {
         self.key.as_deref()
+    }
+
+    /// How many times the row was snoozed before this delivery, where the table has a snooze
+    /// counter column ([`TableBuilder::snoozes`](crate::TableBuilder::snoozes)).
+    pub fn snoozes(&self) -> Option<i64> {
+        self.snoozes
     }
 
     /// The row as the queue's row type.
@@ -583,7 +614,14 @@ impl<B: Backend, T> Delivery<B, T> {
             table: self.queue.table.clone(),
             lease_expires_ms: self.lease_expires_ms(),
             cancel: CancelSignal::new(),
+            snoozes: self.snoozes,
         }
+    }
+
+    /// Applies a subscription's cap on snoozes to this delivery (see
+    /// [`SubscribeOptions::max_snoozes`](crate::SubscribeOptions::max_snoozes)).
+    pub(crate) fn cap_snoozes(&mut self, max: Option<u32>) {
+        self.max_snoozes = max;
     }
 
     /// Lends the row lock transaction to the handler; `None` in the other modes.
@@ -643,6 +681,12 @@ impl<B: Backend, T> Delivery<B, T> {
         self.settle(Outcome::RetryAfter(delay)).await
     }
 
+    /// Puts the row back, due after `delay`, without spending an attempt (see
+    /// [`Outcome::Snooze`]). A delivery claimed by hand has no cap on snoozes.
+    pub async fn snooze(self, delay: Duration) -> Result<()> {
+        self.settle(Outcome::Snooze(delay)).await
+    }
+
     /// Dead-letters the row.
     pub async fn dead_letter(self) -> Result<()> {
         self.settle(Outcome::DeadLetter).await
@@ -678,6 +722,8 @@ impl<B: Backend, T> Delivery<B, T> {
             });
         }
         let now_ms = clock::now_ms();
+        // Why a snooze became a dead letter: the row reached the subscription's cap.
+        let mut over_cap = None;
         let action = match outcome {
             Outcome::Ack => Action::Ack,
             Outcome::DeadLetter => Action::DeadLetter,
@@ -696,6 +742,26 @@ impl<B: Backend, T> Delivery<B, T> {
                     });
                 }
                 attempts::retry_or_dead(table, self.attempt, Some(clock::due_ms(now_ms, delay)))
+            }
+            Outcome::Snooze(delay) => {
+                if table.due_at().is_none() {
+                    return Err(SqlxBrokerError::Unsupported {
+                        table: table.name().to_owned(),
+                        message: format!(
+                            "row {} asks to be snoozed, but the table has no due-time column; add .due_at(\"..\") or retry instead",
+                            self.id
+                        ),
+                    });
+                }
+                match (self.max_snoozes, self.snoozes) {
+                    (Some(max), Some(done)) if done >= i64::from(max) => {
+                        over_cap = Some(format!("snoozed {done} times (max_snoozes {max})"));
+                        Action::DeadLetter
+                    }
+                    _ => Action::Snooze {
+                        due_ms: clock::due_ms(now_ms, delay),
+                    },
+                }
             }
         };
         if action == Action::DeadLetter && table.dead_letter().is_none() {
@@ -728,9 +794,30 @@ impl<B: Backend, T> Delivery<B, T> {
                 Action::Ack => Counter::Acked,
                 Action::Retry { .. } => Counter::Retried,
                 Action::DeadLetter => Counter::DeadLettered,
+                Action::Snooze { .. } => Counter::Snoozed,
             },
             1,
         );
+        if let Some(reason) = over_cap {
+            tracing::warn!(
+                table = table.name(),
+                id = self.id,
+                reason,
+                "snoozed too often; dead-lettered"
+            );
+            if table.last_error().is_some() {
+                // After the settlement, in a statement of its own, as a handler's error is.
+                let recorded = queue
+                    .broker
+                    .backend
+                    .admin()
+                    .record_error(table, self.id, &reason, true)
+                    .await;
+                if let Err(e) = recorded {
+                    tracing::warn!(table = table.name(), id = self.id, error = %e, "writing the snooze cap into the row failed");
+                }
+            }
+        }
         tracing::debug!(
             table = table.name(),
             id = self.id,

@@ -35,10 +35,11 @@ pub(crate) enum Counter {
     Released,
     BatchedAcks,
     TimedOut,
+    Snoozed,
 }
 
 impl Counter {
-    const ALL: [Counter; 15] = [
+    const ALL: [Counter; 16] = [
         Counter::Claimed,
         Counter::Acked,
         Counter::Retried,
@@ -54,6 +55,7 @@ impl Counter {
         Counter::Released,
         Counter::BatchedAcks,
         Counter::TimedOut,
+        Counter::Snoozed,
     ];
 
     /// The exported counter's name.
@@ -75,10 +77,11 @@ impl Counter {
             Self::Released => "sqlx_broker_released_total",
             Self::BatchedAcks => "sqlx_broker_batched_acks_total",
             Self::TimedOut => "sqlx_broker_timed_out_total",
+            Self::Snoozed => "sqlx_broker_snoozed_total",
         }
     }
 
-    /// Whether a row counted here has left the broker's hands: one of the seven counters every
+    /// Whether a row counted here has left the broker's hands: one of the eight counters every
     /// claimed row ends in exactly once (see [`MetricsSnapshot`]).
     fn counts_a_row_out(self) -> bool {
         matches!(
@@ -90,6 +93,7 @@ impl Counter {
                 | Self::Gone
                 | Self::SettleFailed
                 | Self::Released
+                | Self::Snoozed
         )
     }
 }
@@ -235,16 +239,17 @@ impl Metrics {
             released: self.get(Counter::Released),
             batched_acks: self.get(Counter::BatchedAcks),
             timed_out: self.get(Counter::TimedOut),
+            snoozed: self.get(Counter::Snoozed),
         }
     }
 }
 
 /// A reading of a queue's counters.
 ///
-/// Every claimed row leaves work exactly once, through one of seven counters, and is
+/// Every claimed row leaves work exactly once, through one of eight counters, and is
 /// [`held`](Self::held) until then, so at every moment:
 ///
-/// `claimed = acked + retried + dead_lettered + lease_lost + gone + settle_failed + released + held`
+/// `claimed = acked + retried + snoozed + dead_lettered + lease_lost + gone + settle_failed + released + held`
 ///
 /// At rest (no subscription running, no manual delivery held) `held` is 0. A reading is not
 /// atomic: a row that leaves work while it is taken may show in both `held` and its counter
@@ -258,6 +263,10 @@ pub struct MetricsSnapshot {
     pub acked: u64,
     /// Rows put back for another attempt.
     pub retried: u64,
+    /// Rows put back for later without spending an attempt ([`Outcome::Snooze`](crate::Outcome::Snooze)).
+    /// A snooze past the subscription's cap is counted in [`dead_lettered`](Self::dead_lettered)
+    /// instead.
+    pub snoozed: u64,
     /// Rows dead-lettered.
     pub dead_lettered: u64,
     /// Settlements refused because the delivery's hold was lost: its lease ran out (lease
@@ -268,7 +277,7 @@ pub struct MetricsSnapshot {
     /// in flight, are not in it: they are in [`held`](Self::held).
     pub in_work: u64,
     /// Rows claimed and not yet settled or given back (a gauge): waiting for a free worker, in
-    /// work, or settling. What [`claimed`](Self::claimed) holds beyond the seven counters that
+    /// work, or settling. What [`claimed`](Self::claimed) holds beyond the eight counters that
     /// rows leave through. `stats()`'s `in_work` counts rows in work in the table, of every
     /// process, and so includes this process's held rows.
     pub held: u64,
@@ -282,7 +291,7 @@ pub struct MetricsSnapshot {
     /// took the same rows at the same time (a deadlock; on a Galera cluster, a claim on another
     /// node that won certification). The subscription claims again at once: a conflict means
     /// rows are there, so it is neither a claim error nor a reason to back off. Not one of the
-    /// seven counters below: a conflict hands out no row.
+    /// eight counters that rows leave through: a conflict hands out no row.
     pub claim_conflicts: u64,
     /// Rows whose columns did not decode into the handler's type.
     pub decode_errors: u64,
@@ -301,7 +310,7 @@ pub struct MetricsSnapshot {
     pub released: u64,
     /// Of the acked rows, those acked by a statement that acked others with them (lease mode,
     /// where the backend acks many rows at once: acks that finish close together share one
-    /// statement and one commit). Not one of the seven counters above: a part of `acked`.
+    /// statement and one commit). Not one of the eight counters that rows leave through: a part of `acked`.
     pub batched_acks: u64,
     /// Handlers that ran past their timeout
     /// ([`SubscribeOptions::timeout`](crate::SubscribeOptions::timeout)): each was signalled,

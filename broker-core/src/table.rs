@@ -220,6 +220,7 @@ pub struct TableDescription {
     due_at: Option<String>,
     processed_at: Option<String>,
     last_error: Option<String>,
+    snoozes: Option<String>,
     unique_key: Option<String>,
     lease_seconds: u32,
     isolation: Option<IsolationLevel>,
@@ -252,6 +253,7 @@ impl TableDescription {
             due_at: None,
             processed_at: None,
             last_error: None,
+            snoozes: None,
             unique_key: None,
             lease_seconds: None,
             isolation: None,
@@ -329,6 +331,11 @@ impl TableDescription {
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
     }
+    /// The integer column that counts a row's snoozes, if the table has one (see
+    /// [`TableBuilder::snoozes`]).
+    pub fn snoozes(&self) -> Option<&str> {
+        self.snoozes.as_deref()
+    }
     /// The unique key column: a text column that, while a row is unfinished, no other
     /// unfinished row shares (see [`TableBuilder::unique_key`]).
     pub fn unique_key(&self) -> Option<&str> {
@@ -396,6 +403,7 @@ impl TableDescription {
             (self.due_at.as_deref(), "due_at"),
             (self.processed_at.as_deref(), "processed_at"),
             (self.last_error.as_deref(), "last_error"),
+            (self.snoozes.as_deref(), "snoozes"),
             (self.unique_key.as_deref(), "unique_key"),
             (
                 match &self.dead_letter {
@@ -471,6 +479,7 @@ pub struct TableBuilder {
     due_at: Option<String>,
     processed_at: Option<String>,
     last_error: Option<String>,
+    snoozes: Option<String>,
     unique_key: Option<String>,
     lease_seconds: Option<u32>,
     isolation: Option<IsolationLevel>,
@@ -542,6 +551,14 @@ impl TableBuilder {
         self.last_error = Some(column.into());
         self
     }
+    /// An integer column that counts each row's snoozes ([`Outcome::Snooze`](crate::Outcome::Snooze)):
+    /// every snooze adds one (NULL counts as 0), so a subscription's
+    /// [`max_snoozes`](crate::SubscribeOptions::max_snoozes) can dead-letter a row snoozed too
+    /// often. The DDL helper creates it as an integer that starts at 0.
+    pub fn snoozes(mut self, column: impl Into<String>) -> Self {
+        self.snoozes = Some(column.into());
+        self
+    }
     /// A text column holding each row's unique key ([`NewJob::unique_key`](crate::NewJob::unique_key)):
     /// while a row is unfinished (not acked, not dead-lettered), no other unfinished row has
     /// its key, and publishing one returns the existing row's id as a duplicate. The database
@@ -595,6 +612,7 @@ impl TableBuilder {
             (self.due_at.as_ref(), "due_at"),
             (self.processed_at.as_ref(), "processed_at"),
             (self.last_error.as_ref(), "last_error"),
+            (self.snoozes.as_ref(), "snoozes"),
             (self.unique_key.as_ref(), "unique_key"),
             (
                 match &self.dead_letter {
@@ -707,6 +725,7 @@ impl TableBuilder {
             due_at: self.due_at,
             processed_at: self.processed_at,
             last_error: self.last_error,
+            snoozes: self.snoozes,
             unique_key: self.unique_key,
             lease_seconds,
             isolation: self.isolation,

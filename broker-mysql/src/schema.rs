@@ -52,6 +52,10 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
     if let Some(e) = t.last_error() {
         cols.push(format!("{} TEXT NULL", ident(e)));
     }
+    if let Some(n) = t.snoozes() {
+        // Counts snoozes; 0 for rows published before the first.
+        cols.push(format!("{} INT NOT NULL DEFAULT 0", ident(n)));
+    }
     if let Some(u) = t.unique_key() {
         // Indexed, so it needs a bounded length (MAX_UNIQUE_KEY_CHARS).
         cols.push(format!("{} VARCHAR(255) NULL", ident(u)));

@@ -355,6 +355,13 @@ impl Statements {
         if let Some(c) = t.due_at() {
             aliases_tail.push_str(&format!(", {} AS {}", read_ms(&col(c)), alias::DUE));
         }
+        if let Some(n) = t.snoozes() {
+            aliases_tail.push_str(&format!(
+                ", CAST({} AS SIGNED) AS {}",
+                col(n),
+                alias::SNOOZES
+            ));
+        }
         Self {
             table,
             id,
@@ -439,6 +446,20 @@ impl Statements {
         }
         retry_sets.extend(clear_lease.clone());
         let retry = update(retry_sets, "retry");
+        // A snooze leaves the attempt as it stood before the claim: where the claim counted it
+        // (lease, advisory) it takes that count back; row lock counts at settlement, so it
+        // counts nothing. MySQL checks the WHERE (the fence) on the row before the update.
+        let snooze = t.due_at().map(|c| {
+            let mut sets = vec![Sql::new(format!("{} = ", col(c))).time_ms(P::Written)];
+            if !count {
+                sets.push(Sql::new(format!("{a} = {a} - 1", a = self.attempt)));
+            }
+            if let Some(n) = t.snoozes() {
+                sets.push(Sql::new(format!("{n} = COALESCE({n}, 0) + 1", n = col(n))));
+            }
+            sets.extend(clear_lease.clone());
+            update(sets, "snooze").expect("a snooze sets the due time")
+        });
         let dead = match t.dead_letter() {
             Some(DeadLetter::Column(c)) => {
                 let mut sets = Vec::new();
@@ -479,7 +500,12 @@ impl Statements {
             }),
             None => DeadStatements::None,
         };
-        SettleStatements { ack, retry, dead }
+        SettleStatements {
+            ack,
+            retry,
+            dead,
+            snooze,
+        }
     }
 }
 

@@ -62,6 +62,10 @@ fn columns(t: &TableDescription, identity: bool) -> Vec<String> {
     if let Some(e) = t.last_error() {
         cols.push(format!("{} TEXT", ident(e)));
     }
+    if let Some(n) = t.snoozes() {
+        // Counts snoozes; 0 for rows published before the first.
+        cols.push(format!("{} INTEGER NOT NULL DEFAULT 0", ident(n)));
+    }
     if let Some(u) = t.unique_key() {
         cols.push(format!("{} TEXT", ident(u)));
     }

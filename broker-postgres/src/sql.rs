@@ -184,6 +184,8 @@ pub(crate) struct Statements {
     payload: Option<String>,
     /// The due-time column, quoted.
     due: Option<String>,
+    /// The snooze counter column, quoted.
+    snoozes: Option<String>,
     /// Whether claims resume from a position (see [`Position::resumes`]).
     resumes: bool,
     /// The table's columns, quoted, in table order; empty when unknown (the table check then
@@ -247,6 +249,7 @@ impl Statements {
             order_out,
             payload: t.payload().map(|(p, _)| ident(p)),
             due: t.due_at().map(ident),
+            snoozes: t.snoozes().map(ident),
             resumes: Position::resumes(t),
             columns: columns.iter().map(|c| ident(c)).collect(),
         }
@@ -335,6 +338,9 @@ impl Statements {
             out.push_str(&format!(", q.{p} AS {}", alias::PAYLOAD));
         }
         out.push_str(&self.due_column());
+        if let Some(n) = &self.snoozes {
+            out.push_str(&format!(", q.{n}::int8 AS {}", alias::SNOOZES));
+        }
         out
     }
 
@@ -452,10 +458,29 @@ impl Statements {
             }),
             None => DeadStatements::None,
         };
+        // A snooze leaves the attempt as it stood before the claim: where the claim counted it
+        // (lease, advisory) it takes that count back; row lock counts at settlement, so it
+        // counts nothing. The fence reads the row before the update, so it still sees the
+        // attempt the claim wrote.
+        let snooze = t.due_at().map(|c| {
+            let mut sets = vec![format!("{} = {time}", ident(c))];
+            if !count_attempt {
+                sets.push(format!("{a} = q.{a} - 1"));
+            }
+            if let Some(n) = &self.snoozes {
+                sets.push(format!("{n} = COALESCE(q.{n}, 0) + 1"));
+            }
+            sets.extend(clear_lease.clone());
+            format!(
+                "UPDATE {table} AS q SET {} WHERE q.{id} = $1::int8{fence}",
+                sets.join(", ")
+            )
+        });
         driver::SettleStatements {
             ack,
             retry: Some(retry),
             dead,
+            snooze,
         }
         .map(Arc::from)
     }

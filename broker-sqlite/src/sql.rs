@@ -139,6 +139,9 @@ impl Statements {
         if let Some(c) = t.due_at() {
             aliases_tail.push_str(&format!(", {} AS {}", ident(c), alias::DUE));
         }
+        if let Some(n) = t.snoozes() {
+            aliases_tail.push_str(&format!(", {} AS {}", ident(n), alias::SNOOZES));
+        }
         Self {
             table,
             id,
@@ -203,10 +206,24 @@ impl Statements {
             }),
             None => DeadStatements::None,
         };
+        // A snooze takes back the attempt the claim counted (every SQLite mode counts at the
+        // claim); the fence reads the row before the update.
+        let snooze = t.due_at().map(|c| {
+            let counter = t
+                .snoozes()
+                .map(|n| format!(", {n} = COALESCE({n}, 0) + 1", n = ident(n)))
+                .unwrap_or_default();
+            format!(
+                "UPDATE {table} SET {} = ?2, {a} = {a} - 1{counter}{clear_lease} WHERE {id} = ?1{fence}",
+                ident(c),
+                a = self.attempt
+            )
+        });
         SettleStatements {
             ack,
             retry: Some(retry),
             dead,
+            snooze,
         }
     }
 }

@@ -119,6 +119,7 @@ async fn every_counter_histogram_and_gauge_is_exported_by_table() {
         "sqlx_broker_released_total",
         "sqlx_broker_batched_acks_total",
         "sqlx_broker_timed_out_total",
+        "sqlx_broker_snoozed_total",
     ] {
         counter(name);
     }

@@ -115,6 +115,14 @@ macro_rules! conformance_suite {
                 the_ddl_helper_refuses_what_create_tables_refuses_with_the_same_error,
             );
         }
+        // Snooze (cases/snooze.rs).
+        mod snooze {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                what_a_table_cannot_snooze_with_is_refused_with_what_to_add,
+            );
+        }
         $crate::conformance_suite!(@server_plain $db; $server);
         // Unique keys and periodic schedules that are about no one mode (cases/unique.rs,
         // cases/periodic.rs).
@@ -199,6 +207,13 @@ macro_rules! conformance_suite {
                     $crate::cases::stress_with_random_outcomes_and_kills::<$db>($crate::__private::mode(stringify!($mode)), NAME),
                 );
             }
+            // Snooze (cases/snooze.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                a_snooze_spends_no_attempt,
+                a_snoozed_row_waits_for_its_delay,
+                snoozes_past_max_snoozes_end_in_the_dead_letters,
+                a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers,
+            );
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
             // Middleware (cases/middleware.rs).
@@ -277,6 +292,7 @@ macro_rules! conformance_suite {
             a_stale_holder_cannot_retry_after_a_delay,
             a_stale_holder_cannot_move_to_the_dead_letter_table,
             a_stale_holder_cannot_mark_dead,
+            a_stale_holder_cannot_snooze,
         );
     };
     (@server $db:ty; $mode:ident; yes) => {

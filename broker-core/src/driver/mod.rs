@@ -97,6 +97,10 @@ pub mod alias {
     /// as NULL, which places the row earlier than it is and only costs the next claims a
     /// longer read.
     pub const DUE: &str = "sqlx_broker_due_ms";
+    /// How many times the row was snoozed, as a 64-bit integer (NULL read as 0), on tables
+    /// with a snooze counter column ([`TableDescription::snoozes`](crate::TableDescription::snoozes)).
+    /// Optional: a claim that leaves it out reads as no counter.
+    pub const SNOOZES: &str = "sqlx_broker_snoozes";
 }
 
 /// A place in the claim order of a table without a priority column or FIFO groups: the due
@@ -165,6 +169,8 @@ pub struct ClaimedRow<DB: Database> {
     pub key: Option<String>,
     /// The row's due time ([`alias::DUE`]), where the claim read it.
     pub due_ms: Option<i64>,
+    /// How many times the row was snoozed ([`alias::SNOOZES`]), where the claim read it.
+    pub snoozes: Option<i64>,
     /// The whole row, for the handler's `FromRow` type.
     pub row: DB::Row,
 }
@@ -175,20 +181,26 @@ where
     for<'a> &'a str: sqlx::ColumnIndex<DB::Row>,
 {
     /// Reads the broker's columns of a claimed row by their [`alias`]es (the claim statement
-    /// must select them as 64-bit integers; [`alias::DUE`] is optional), keeping the whole row
-    /// for the handler's type.
+    /// must select them as 64-bit integers; [`alias::DUE`] and [`alias::SNOOZES`] are
+    /// optional), keeping the whole row for the handler's type.
     pub fn read(row: DB::Row, key: Option<String>) -> std::result::Result<Self, sqlx::Error> {
         use sqlx::Row;
-        let due_ms = match row.try_get::<Option<i64>, _>(alias::DUE) {
-            Ok(due) => due,
-            Err(sqlx::Error::ColumnNotFound(_)) => None,
-            Err(e) => return Err(e),
+        let optional = |name: &str| match row.try_get::<Option<i64>, _>(name) {
+            Ok(value) => Ok(value),
+            Err(sqlx::Error::ColumnNotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let due_ms = optional(alias::DUE)?;
+        let snoozes = match row.try_column(alias::SNOOZES) {
+            Ok(_) => Some(optional(alias::SNOOZES)?.unwrap_or(0)),
+            Err(_) => None,
         };
         Ok(Self {
             id: row.try_get(alias::ID)?,
             attempt: row.try_get(alias::ATTEMPT)?,
             key,
             due_ms,
+            snoozes,
             row,
         })
     }
@@ -293,6 +305,13 @@ pub enum Action {
     },
     /// Move the row to the dead-letter table, or set the dead-letter column.
     DeadLetter,
+    /// Put the row back due at `due_ms` without spending the delivery's attempt: the attempt
+    /// column is left as it stood before the claim (one less where the claim counted it), and
+    /// the snooze counter, where the table has one, counts one more.
+    Snooze {
+        /// When the row is due again (unix milliseconds).
+        due_ms: i64,
+    },
 }
 
 /// A settlement: which row, what to do, and the host's clock.

@@ -29,6 +29,10 @@ pub struct SettleStatements<S> {
     pub retry: Option<S>,
     /// Dead-letters the row.
     pub dead: DeadStatements<S>,
+    /// Puts the row back due at the time it writes without spending the delivery's attempt
+    /// (see [`Action::Snooze`]); `None` on a table without a due-time column, where snoozes are
+    /// refused before they reach the backend.
+    pub snooze: Option<S>,
 }
 
 /// How a backend dead-letters a row.
@@ -138,11 +142,17 @@ impl<S> SettleStatements<S> {
                     unreachable!("dead letters without a target are refused before settlement")
                 }
             },
+            Action::Snooze { .. } => match &self.snooze {
+                Some(snooze) => Run::One("snooze", snooze),
+                None => unreachable!(
+                    "snoozes on a table without a due-time column are refused before settlement"
+                ),
+            },
         }
     }
 
-    /// Every statement with its name, for the startup check: the ack, the retry, then the
-    /// dead letter's in the order they run.
+    /// Every statement with its name, for the startup check: the ack, the retry, the dead
+    /// letter's in the order they run, then the snooze.
     pub fn named(&self) -> Vec<(&'static str, &S)> {
         let mut out = vec![("ack", &self.ack)];
         out.extend(self.retry.as_ref().map(|s| ("retry", s)));
@@ -151,6 +161,7 @@ impl<S> SettleStatements<S> {
             DeadStatements::Mark(s) => out.push(("dead letter", s)),
             DeadStatements::Move(moved) => out.extend(moved.steps().map(|(k, s)| (k.name(), s))),
         }
+        out.extend(self.snooze.as_ref().map(|s| ("snooze", s)));
         out
     }
 
@@ -171,17 +182,19 @@ impl<S> SettleStatements<S> {
             ack: f(self.ack),
             retry: self.retry.map(&mut f),
             dead,
+            snooze: self.snooze.map(&mut f),
         }
     }
 }
 
 impl Settle {
     /// The time the settlement's statements write: now for an ack or a dead letter, the due
-    /// time (or NULL: due at once) for a retry.
+    /// time (or NULL: due at once) for a retry, the due time for a snooze.
     pub fn written_ms(&self) -> Option<i64> {
         match self.action {
             Action::Ack | Action::DeadLetter => Some(self.now_ms),
             Action::Retry { due_ms } => due_ms,
+            Action::Snooze { due_ms } => Some(due_ms),
         }
     }
 }
@@ -283,6 +296,7 @@ mod tests {
             ack: "A",
             retry: retry.then_some("R"),
             dead,
+            snooze: None,
         }
     }
 

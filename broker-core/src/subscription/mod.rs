@@ -274,6 +274,7 @@ where
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
     options.check(queue.shared.name())?;
+    options.check_table(&queue.shared.table)?;
     if handler.lends_transaction && queue.shared.table.mode() != ClaimMode::RowLock {
         return Err(SqlxBrokerError::Unsupported {
             table: queue.shared.name().to_owned(),

@@ -34,6 +34,7 @@ pub struct SubscribeOptions {
     pub(super) max_claims_in_flight: Option<usize>,
     pub(super) timeout: Option<Duration>,
     pub(super) cancel_grace: Duration,
+    pub(super) max_snoozes: Option<u32>,
 }
 
 impl Default for SubscribeOptions {
@@ -51,6 +52,7 @@ impl Default for SubscribeOptions {
             max_claims_in_flight: None,
             timeout: None,
             cancel_grace: DEFAULT_CANCEL_GRACE,
+            max_snoozes: None,
         }
     }
 }
@@ -178,6 +180,52 @@ impl SubscribeOptions {
     pub fn cancel_grace(mut self, grace: Duration) -> Self {
         self.cancel_grace = grace;
         self
+    }
+
+    /// How many times a row may be snoozed ([`Outcome::Snooze`](crate::Outcome::Snooze)): a
+    /// snooze of a row already snoozed `n` times dead-letters it instead (as a row whose
+    /// attempts are spent is, with the error "snoozed n times" in a `last_error` column where
+    /// the table has one). Unset: no cap. Needs the table's snooze counter column
+    /// ([`TableBuilder::snoozes`](crate::TableBuilder::snoozes)), a due-time column and a
+    /// dead-letter target; a table without them is refused at subscribe.
+    pub fn max_snoozes(mut self, n: u32) -> Self {
+        self.max_snoozes = Some(n);
+        self
+    }
+
+    /// Refuses options that `table` cannot serve, naming the option and what to change.
+    pub(super) fn check_table(&self, table: &crate::table::TableDescription) -> crate::Result<()> {
+        let Some(max) = self.max_snoozes else {
+            return Ok(());
+        };
+        let refuse = |accepted, why| {
+            Err(SqlxBrokerError::InvalidOption {
+                table: table.name().to_owned(),
+                option: "max_snoozes",
+                value: max.to_string(),
+                accepted,
+                why,
+            })
+        };
+        if table.snoozes().is_none() {
+            return refuse(
+                "a cap on a table with a snooze counter column: add .snoozes(\"snoozes\") to the table description and the column to the table (the DDL helper creates it as an integer starting at 0), or leave max_snoozes unset",
+                "the table has no snooze counter column, so the subscription cannot count a row's snoozes",
+            );
+        }
+        if table.due_at().is_none() {
+            return refuse(
+                "a cap on a table with a due-time column: add .due_at(\"..\") to the table description",
+                "a snooze makes the row due later, and the table has no due-time column",
+            );
+        }
+        if table.dead_letter().is_none() {
+            return refuse(
+                "a cap on a table with a dead-letter target: add .dead_letter(..) to the table description",
+                "a row snoozed past the cap is dead-lettered, and the table has no dead-letter target",
+            );
+        }
+        Ok(())
     }
 
     /// Refuses values the engine cannot run with, naming the option and what is accepted.

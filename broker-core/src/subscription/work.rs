@@ -69,6 +69,7 @@ where
     T: for<'r> FromRow<'r, <B::Db as Database>::Row> + Send + 'static,
 {
     let _holding = Holding::enter(&engine.holding);
+    delivery.cap_snoozes(engine.options.max_snoozes);
     let inner = &engine.queue.shared;
     let options = &engine.options;
     let id = delivery.id();
@@ -226,6 +227,10 @@ where
             if inner.table.due_at().is_none() && !d.is_zero() =>
         {
             tracing::warn!(parent: &span, "handler asked for a delayed retry, but the table has no due-time column; retrying at once");
+            Some(Outcome::Retry)
+        }
+        Handled::Returned(Ok(Ok(Outcome::Snooze(_)))) if inner.table.due_at().is_none() => {
+            tracing::warn!(parent: &span, "handler asked to snooze, but the table has no due-time column; retrying at once (the attempt is spent)");
             Some(Outcome::Retry)
         }
         Handled::Returned(Ok(Ok(outcome))) => Some(outcome),

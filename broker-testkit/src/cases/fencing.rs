@@ -27,6 +27,7 @@ enum Attempted {
     Retry,
     RetryAfter,
     DeadLetter,
+    Snooze,
     Renew,
 }
 
@@ -43,6 +44,8 @@ enum Shape {
     DeadTable,
     /// Dead letters set a column.
     DeadMark,
+    /// The table counts snoozes.
+    Snoozes,
 }
 
 /// A row held by a stale delivery and, since, by a fresh one.
@@ -65,6 +68,7 @@ async fn stale_holder<D: TestDb>(mode: ClaimMode, shape: Shape) -> Stale<D> {
             Shape::Processed => b.processed_at("done_at"),
             Shape::DeadTable => b.dead_letter(DeadLetter::Table(unique_name("dead"))),
             Shape::DeadMark => b.dead_letter(DeadLetter::Column("dead_at".into())),
+            Shape::Snoozes => b.snoozes("snoozes"),
             Shape::Plain | Shape::NoDueColumn => b,
         };
         match mode {
@@ -152,6 +156,7 @@ async fn stale_holder_is_fenced<D: TestDb>(mode: ClaimMode, shape: Shape, attemp
         Attempted::Retry => stale.retry().await,
         Attempted::RetryAfter => stale.retry_after(Duration::from_secs(60)).await,
         Attempted::DeadLetter => stale.dead_letter().await,
+        Attempted::Snooze => stale.snooze(Duration::from_secs(60)).await,
         Attempted::Renew => {
             let r = stale.renew().await;
             drop(stale);
@@ -203,6 +208,12 @@ async fn stale_holder_is_fenced<D: TestDb>(mode: ClaimMode, shape: Shape, attemp
         _ => assert_eq!(after, None, "the fresh ack deleted the row"),
     }
     fx.cleanup().await;
+}
+
+/// A stale holder's snooze (issue #48) is refused: the due time, the attempt and the snooze
+/// counter stay as the fresh claim left them.
+pub async fn a_stale_holder_cannot_snooze<D: TestDb>(mode: ClaimMode) {
+    stale_holder_is_fenced::<D>(mode, Shape::Snoozes, Attempted::Snooze).await;
 }
 
 /// A stale holder's ack (a delete) is refused and leaves the row alone.

@@ -12,9 +12,16 @@ use broker_core::{Backend, ClaimMode, MetricsSnapshot, Outcome, Queue, Subscribe
 use crate::outage::Outage;
 use crate::{Fixture, TestDb, wait_until};
 
-/// The rows a reading counts as having left work, through the seven counters.
+/// The rows a reading counts as having left work, through the eight counters.
 fn counted_out(m: &MetricsSnapshot) -> u64 {
-    m.acked + m.retried + m.dead_lettered + m.lease_lost + m.gone + m.settle_failed + m.released
+    m.acked
+        + m.retried
+        + m.snoozed
+        + m.dead_lettered
+        + m.lease_lost
+        + m.gone
+        + m.settle_failed
+        + m.released
 }
 
 /// Reads `q`'s counters every 5 ms until stopped, and fails at the first reading in which a

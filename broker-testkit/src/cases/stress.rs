@@ -57,6 +57,7 @@ fn stress_table(name: &str, mode: ClaimMode, dead: &str) -> TableDescription {
         .group("grp")
         .fifo(true)
         .max_attempts(4)
+        .snoozes("snoozes")
         .dead_letter(DeadLetter::Table(dead.to_owned()));
     match mode {
         ClaimMode::RowLock => b,
@@ -148,7 +149,7 @@ impl Drop for TimedOutEnd {
 }
 
 /// One broker of a stress run, with random (but per-delivery deterministic) outcomes: ack,
-/// retry, delayed retry, error, panic, dead letter, and hung handlers that time out.
+/// snooze, retry, delayed retry, error, panic, dead letter, and hung handlers that time out.
 fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sink) -> Subscription {
     queue
         .subscribe(
@@ -175,7 +176,10 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                         group_of(i),
                         job.lease_expires_ms(),
                     );
-                    let roll = mix(job.id(), job.attempt()) % 100;
+                    // A snooze leaves the attempt as it was, so the snoozes count too: the
+                    // delivery after a snooze rolls again.
+                    let snoozes = job.snoozes().unwrap_or(0);
+                    let roll = mix(job.id(), job.attempt() + 1000 * snoozes) % 100;
                     // Some handlers take a moment, so faults find deliveries in work; in a child,
                     // which is killed only while it has a handler running, a longer one.
                     match roll % 5 {
@@ -187,6 +191,11 @@ fn stress_worker<D: TestDb>(queue: &Queue<D::B, D::Job>, index: usize, sink: Sin
                         _ => {}
                     }
                     let (recorded, result) = match roll {
+                        // A row snoozes at most three times, so it cannot snooze for ever.
+                        66..70 if snoozes < 3 => (
+                            Recorded::Snooze,
+                            Ok(Outcome::Snooze(Duration::from_millis(20))),
+                        ),
                         0..70 => (Recorded::Ack, Ok::<_, BoxError>(Outcome::Ack)),
                         70..78 => (Recorded::Retry, Ok(Outcome::Retry)),
                         78..84 => (
@@ -574,6 +583,10 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
         figures.crashed > 0,
         "the SIGKILLs must cut deliveries: {cuts:?}"
     );
+    assert!(
+        figures.snoozes > 0,
+        "a stress run snoozes rows, so the check sees snoozes spend no attempt"
+    );
     if mode == ClaimMode::Advisory {
         for k in 0..97 {
             let key = format!("key-k{k}");
@@ -581,12 +594,13 @@ pub async fn stress_with_random_outcomes_and_kills<D: TestDb>(mode: ClaimMode, t
         }
     }
     crate::report(&format!(
-        "stress {mode} on {}: {} rows, {} deliveries, {} retries ({} timed out), {} acked, {} dead-lettered, {} deliveries cut ({} in the handler, {} by SIGKILL), faults: {}; {:.1}s",
+        "stress {mode} on {}: {} rows, {} deliveries, {} retries ({} timed out), {} snoozes, {} acked, {} dead-lettered, {} deliveries cut ({} in the handler, {} by SIGKILL), faults: {}; {:.1}s",
         first.backend().capabilities().database,
         figures.rows,
         figures.deliveries,
         figures.retries,
         figures.timed_out,
+        figures.snoozes,
         figures.acked,
         figures.dead,
         figures.cut,

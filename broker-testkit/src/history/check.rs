@@ -177,16 +177,17 @@ fn claim_order(list: &mut [&Record], mode: ClaimMode) {
 /// was claimed before `a`. `b` must have lost its transaction to a kill of its connections that
 /// began before `a` took the row (by `a`'s claim's return; its start when the claim is not
 /// known). Then either both claims are known and `b`'s began first (`claimed_earlier`), or `a`
-/// ran uncut to an outcome: its settlement counted the attempt or finished the row, so a claim
-/// after `a`'s would have read another attempt or no row.
+/// ran uncut to an outcome other than a snooze: its settlement counted the attempt or finished
+/// the row, so a claim after `a`'s would have read another attempt or no row. A snooze leaves
+/// the row at its attempt, so a claim after it reads the same one: only the claims' times can
+/// order them then.
 fn late_in_row_lock(b: &Record, a: &Record) -> bool {
     let lost_first = matches!(
         b.cut,
         Some(Cut::ConnectionInHandler | Cut::ConnectionInClaim)
     ) && b.cut_from.is_some_and(|from| from < a.claim_returned());
-    b.attempt == a.attempt
-        && lost_first
-        && (claimed_earlier(b, a) || (a.cut.is_none() && a.outcome.is_some()))
+    let a_moved_the_row = a.cut.is_none() && a.outcome.is_some_and(|o| o != Recorded::Snooze);
+    b.attempt == a.attempt && lost_first && (claimed_earlier(b, a) || a_moved_the_row)
 }
 
 /// The figures of a run that passed: then every row ended as the database says (acked rows are
@@ -224,6 +225,9 @@ fn figures(run: &Run<'_>) -> Figures {
         }
         if r.outcome == Some(Recorded::TimedOut) {
             figures.timed_out += 1;
+        }
+        if r.outcome == Some(Recorded::Snooze) {
+            figures.snoozes += 1;
         }
         if let Some(c) = r.cut {
             figures.cut += 1;

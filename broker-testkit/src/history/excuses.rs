@@ -8,7 +8,7 @@ use std::time::Duration;
 use broker_core::ClaimMode;
 
 use super::check::Run;
-use super::{Final, Record, Violation};
+use super::{Final, Record, Recorded, Violation};
 
 /// What a fault took away, that makes a broken guarantee expected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,8 @@ pub enum Excuse {
     /// same row at a lower attempt, or a claim that began first), so its handler started late.
     LateHandler,
     /// The fault reached the delivery that finished the row before its settlement was known to
-    /// be through: the ack or dead letter may never have landed.
+    /// be through: the ack or dead letter may never have landed. Likewise a snooze, which gives
+    /// back the attempt a lease or advisory claim counted: the next delivery then reads one more.
     SettlementCut,
     /// Row lock: the later delivery lost its transaction to a connection kill, so its claim
     /// may have read the row (at the same attempt) before another delivery finished it, and its
@@ -106,6 +107,15 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
             mode == ClaimMode::RowLock && first.cut.is_some() && second.attempt == first.attempt,
             Excuse::RolledBack,
         )
+        .or_else(|| {
+            excused(
+                mode != ClaimMode::RowLock
+                    && first.cut.is_some()
+                    && first.outcome == Some(Recorded::Snooze)
+                    && second.attempt == first.attempt + 1,
+                Excuse::SettlementCut,
+            )
+        })
         .or_else(|| {
             excused(
                 second.attempt > *expected && run.unseen_claim(first.start, second.start),

@@ -154,15 +154,19 @@ fn a_finished_row_runs_no_more(run: &Run<'_>) -> Vec<Violation> {
 
 /// The attempt a row's next delivery reads (SPEC 2): lease and advisory count one at every
 /// claim; row lock counts one in the settlement of a retry, none when the row is taken again
-/// without one. A row its delivery finished is checked by [`a_finished_row_runs_no_more`]
-/// instead, unless a fault reached that delivery (its settlement may not have landed).
+/// without one. A snooze spends no attempt in any mode (issue #48): the next delivery reads the
+/// same attempt (where a fault reached the snooze, it may not have landed: see the excuses). A
+/// row its delivery finished is checked by
+/// [`a_finished_row_runs_no_more`] instead, unless a fault reached that delivery (its
+/// settlement may not have landed).
 fn attempts_count_as_the_mode_says(run: &Run<'_>) -> Vec<Violation> {
     let mode = run.mode();
     pairs(run)
         .filter(|(a, _)| a.cut.is_some() || final_of(a, run.expect.max_attempts).is_none())
         .filter_map(|(a, b)| {
             let retried = a.outcome.is_some_and(|o| !o.finishes());
-            let step = i64::from(mode != ClaimMode::RowLock || retried);
+            let snoozed = a.outcome == Some(Recorded::Snooze);
+            let step = i64::from(!snoozed && (mode != ClaimMode::RowLock || retried));
             let expected = a.attempt + step;
             (b.attempt != expected).then(|| Violation::AttemptMiscounted {
                 first: Box::new(a.clone()),

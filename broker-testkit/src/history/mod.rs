@@ -59,6 +59,9 @@ pub enum Recorded {
     /// Ran past its timeout: signalled, then returned within the grace or dropped after it
     /// (recorded when its future ended either way). A failed attempt, like an error.
     TimedOut,
+    /// Returned `Outcome::Snooze`: the row comes back without an attempt spent (the history
+    /// assumes no `max_snoozes`, so a snooze never finishes a row).
+    Snooze,
 }
 
 impl Recorded {
@@ -76,6 +79,7 @@ impl Recorded {
             Self::Panic => "panic",
             Self::DeadLetter => "dead_letter",
             Self::TimedOut => "timed_out",
+            Self::Snooze => "snooze",
         }
     }
 
@@ -89,6 +93,7 @@ impl Recorded {
             Self::Panic,
             Self::DeadLetter,
             Self::TimedOut,
+            Self::Snooze,
         ]
         .into_iter()
         .find(|r| r.name() == name)
@@ -206,6 +211,8 @@ pub struct Figures {
     pub retries: usize,
     /// Of those, deliveries that timed out.
     pub timed_out: usize,
+    /// Deliveries that ended in a snooze.
+    pub snoozes: usize,
     /// Deliveries a fault reached (see [`Cut`]).
     pub cut: usize,
     /// Of those, deliveries whose process was killed.
@@ -250,6 +257,8 @@ fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
     match r.outcome? {
         Recorded::Ack => Some(Final::Gone),
         Recorded::DeadLetter => Some(Final::Dead),
+        // A snooze spends no attempt, so `max_attempts` never dead-letters it.
+        Recorded::Snooze => None,
         _ if max_attempts.is_some_and(|m| r.attempt >= i64::from(m)) => Some(Final::Dead),
         o => {
             debug_assert!(!o.finishes());

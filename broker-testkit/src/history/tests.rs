@@ -990,3 +990,98 @@ fn a_timed_out_delivery_still_running_when_its_rows_next_one_began_is_found() {
     let f = h.check(&unordered(ClaimMode::Lease, GONE)).unwrap();
     assert_eq!((f.retries, f.timed_out, f.acked), (1, 1, 1));
 }
+
+#[test]
+fn a_snooze_spends_no_attempt_and_one_that_did_is_miscounted() {
+    // Row 1 snoozed twice, then failed once (max_attempts 3) and acked: attempts 1, 1, 1, 2.
+    let snoozed = |after: i64| {
+        vec![
+            plain(1, 1, 0, 10, Some(Recorded::Snooze)),
+            plain(1, 1, 20, 30, Some(Recorded::Snooze)),
+            plain(1, 1, 40, 50, Some(Recorded::Error)),
+            plain(1, after, 60, 70, Some(Recorded::Ack)),
+        ]
+    };
+    for mode in [ClaimMode::RowLock, ClaimMode::Lease, ClaimMode::Advisory] {
+        history(snoozed(2))
+            .check(&unordered(mode, GONE))
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        // A snooze that spent its attempt: the delivery after it reads 2.
+        let spent = vec![
+            plain(1, 1, 0, 10, Some(Recorded::Snooze)),
+            plain(1, 2, 20, 30, Some(Recorded::Ack)),
+        ];
+        found_alone(&history(spent), &unordered(mode, GONE), "AttemptMiscounted");
+        // Three snoozes never dead-letter by max_attempts (3): the row must come back.
+        let h = history(vec![
+            plain(1, 1, 0, 10, Some(Recorded::Snooze)),
+            plain(1, 1, 20, 30, Some(Recorded::Snooze)),
+            plain(1, 1, 40, 50, Some(Recorded::Snooze)),
+        ]);
+        found_alone(
+            &h,
+            &unordered(mode, &[(1, Final::Present)]),
+            "SettlementLost",
+        );
+    }
+}
+
+#[test]
+fn a_cut_snooze_excuses_one_attempt_in_lease_and_advisory_only() {
+    let after_cut_snooze = |attempt: i64| {
+        vec![
+            cut(
+                plain(1, 1, 0, 10, Some(Recorded::Snooze)),
+                Cut::ConnectionSettling,
+            ),
+            plain(1, attempt, 20, 30, Some(Recorded::Ack)),
+        ]
+    };
+    for mode in [ClaimMode::Lease, ClaimMode::Advisory] {
+        history(after_cut_snooze(1))
+            .check(&unordered(mode, GONE))
+            .unwrap();
+        excused(
+            &history(after_cut_snooze(2)),
+            &unordered(mode, GONE),
+            "AttemptMiscounted",
+            Excuse::SettlementCut,
+        );
+        found_alone(
+            &history(after_cut_snooze(3)),
+            &unordered(mode, GONE),
+            "AttemptMiscounted",
+        );
+    }
+    // Row lock counts nothing for a snooze, landed or rolled back.
+    history(after_cut_snooze(1))
+        .check(&unordered(ClaimMode::RowLock, GONE))
+        .unwrap();
+    found_alone(
+        &history(after_cut_snooze(2)),
+        &unordered(ClaimMode::RowLock, GONE),
+        "AttemptMiscounted",
+    );
+}
+
+#[test]
+fn row_lock_orders_a_delivery_after_a_snooze_by_its_claim() {
+    // A kill began at 11 ms, while the snoozing delivery's claim was in flight (10-12 ms); the
+    // next delivery's claim (15-16 ms) came after the snooze, at the same attempt. The snooze
+    // left the row at its attempt, so nothing but the claims' times orders the two: the ack
+    // stays last.
+    let ms = Duration::from_millis;
+    let h = history(vec![
+        Record {
+            claim: claim(ms(10), ms(12)),
+            ..plain(1, 1, 12, 14, Some(Recorded::Snooze))
+        },
+        Record {
+            claim: claim(ms(15), ms(16)),
+            cut: Some(Cut::ConnectionInClaim),
+            cut_from: Some(ms(11)),
+            ..plain(1, 1, 16, 18, Some(Recorded::Ack))
+        },
+    ]);
+    h.check(&unordered(ClaimMode::RowLock, GONE)).unwrap();
+}
