@@ -360,7 +360,7 @@ mod tests {
         std::future::pending().await
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_settlement_waits_for_a_connection_only_until_its_deadline() {
         let tries = AtomicU32::new(0);
         let work = || {
@@ -374,12 +374,13 @@ mod tests {
                     })
             }
         };
-        // Paused time: an hour passes at once if nothing bounds the wait. (The host's clock,
-        // which the deadline is on, moves on in real time meanwhile; the retries between tries
-        // take paused time.)
+        // Real time: the deadline is on the host's clock, so the test must not pause tokio's
+        // (a paused clock runs the retries' sleeps at once while the host's clock stands
+        // still, and the bound below would pass first on a busy machine). The bound is an
+        // hour's tenth: generous, yet a wait that ignored the deadline would hit it.
         let deadline = clock::now_ms() + 200;
         let out =
-            tokio::time::timeout(Duration::from_secs(3600), fenced(by_name, deadline, work)).await;
+            tokio::time::timeout(Duration::from_secs(360), fenced(by_name, deadline, work)).await;
         assert_eq!(out, Ok(Err("gone")), "the wait must end at the deadline");
         assert!(tries.load(Ordering::SeqCst) >= 1);
     }
