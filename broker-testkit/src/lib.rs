@@ -199,6 +199,12 @@ macro_rules! conformance_suite {
                     $crate::cases::stress_with_random_outcomes_and_kills::<$db>($crate::__private::mode(stringify!($mode)), NAME),
                 );
             }
+            // Operator signals (cases/signals.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                no_handler_starts_after_a_pause_returns,
+                a_pause_through_another_broker_reaches_this_one,
+                run_now_starts_a_scheduled_row_promptly,
+            );
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
             // Unique keys and schedules in each mode (cases/unique.rs, cases/periodic.rs).

@@ -24,6 +24,7 @@ mod periodic;
 mod restart;
 mod row_type;
 mod settle;
+mod signals;
 mod stress;
 mod unique;
 
@@ -49,6 +50,7 @@ pub use periodic::*;
 pub use restart::*;
 pub use row_type::*;
 pub use settle::*;
+pub use signals::*;
 pub use stress::*;
 pub use unique::*;
 
