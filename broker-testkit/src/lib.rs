@@ -204,6 +204,7 @@ macro_rules! conformance_suite {
                 no_handler_starts_after_a_pause_returns,
                 a_pause_through_another_broker_reaches_this_one,
                 run_now_starts_a_scheduled_row_promptly,
+                a_subscription_stopped_while_paused_gives_its_waiting_rows_back,
             );
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);

@@ -129,6 +129,7 @@ pub async fn a_pause_through_another_broker_reaches_this_one<D: TestDb>(mode: Cl
         async move { n >= 12 }
     })
     .await;
+    let asked = Instant::now();
     operator.pause("the other broker").await.expect("pause");
     let paused_at = Instant::now();
     // Long enough to see starts that come after the bound.
@@ -139,9 +140,21 @@ pub async fn a_pause_through_another_broker_reaches_this_one<D: TestDb>(mode: Cl
         count(&starts) < rows,
         "the queue drained before the pause took effect: the case proves nothing"
     );
+    // Handlers that started while the pause ran (between the call and its return), for the
+    // report: how long the last one started after the call.
+    let during = started_after(&starts, asked);
     report(&format!(
-        "signals: {} {mode}: after a pause through another broker, {} handlers started, the last {} ms after pause returned (bound {} ms, poll {} ms)",
+        "signals: {} {mode}: pause through another broker took {} ms; {} handlers started during the call (the last {} ms after it), {} after it returned (the last {} ms after) (bound {} ms, poll {} ms)",
         fx.broker.backend().capabilities().database,
+        (paused_at - asked).as_millis(),
+        during.len() - late.len(),
+        during
+            .iter()
+            .filter(|d| **d <= paused_at - asked)
+            .max()
+            .copied()
+            .unwrap_or_default()
+            .as_millis(),
         late.len(),
         last.as_millis(),
         bound.as_millis(),
@@ -228,5 +241,74 @@ pub async fn run_now_starts_a_scheduled_row_promptly<D: TestDb>(mode: ClaimMode)
     }
     acked(&q, 2, "both rows acked").await;
     sub.shutdown().await;
+    fx.cleanup().await;
+}
+
+/// A subscription stopped while its queue is paused gives the rows waiting at the gate (claimed
+/// or prefetched before the pause, not started) back unrun at once, instead of keeping them
+/// until its shutdown deadline; after the resume another subscription runs every row, none
+/// twice.
+pub async fn a_subscription_stopped_while_paused_gives_its_waiting_rows_back<D: TestDb>(
+    mode: ClaimMode,
+) {
+    let fx = Fixture::<D>::new(mode, |b| b).await;
+    let q = fx.queue().await;
+    let rows = 40;
+    fx.publish(&q, rows).await;
+    let options = || {
+        SubscribeOptions::new()
+            .concurrency(2)
+            .poll_interval(Duration::from_millis(200))
+            .shutdown_timeout(Duration::from_secs(60))
+    };
+    let (sub, starts) = subscribe_recording::<D>(&q, options(), Duration::from_millis(200));
+    wait_until(
+        "the first handlers started",
+        Duration::from_secs(30),
+        || {
+            let n = count(&starts);
+            async move { n >= 2 }
+        },
+    )
+    .await;
+    q.pause("the case").await.expect("pause");
+    let paused_at = Instant::now();
+    // The handlers in work finish; rows fetched ahead reach the gate and wait there.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let stopping = Instant::now();
+    let report = sub.shutdown().await;
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "shutdown of a paused subscription took {:?}: it kept rows waiting at the gate until its deadline",
+        stopping.elapsed()
+    );
+    assert_eq!(report.dropped, 0, "no handler was dropped: {report:?}");
+    assert!(
+        started_after(&starts, paused_at).is_empty(),
+        "a handler started after the pause"
+    );
+    fx.broker.flush_cleanups().await;
+    q.resume().await.expect("resume");
+    let (again, more) = subscribe_recording::<D>(&q, options(), Duration::ZERO);
+    wait_until(
+        "every row ran after the resume",
+        Duration::from_secs(60),
+        || {
+            let n = count(&starts) + count(&more);
+            async move { n >= rows }
+        },
+    )
+    .await;
+    again.shutdown().await;
+    let mut seen = std::collections::HashSet::new();
+    for (_, id) in starts
+        .lock()
+        .unwrap()
+        .iter()
+        .chain(more.lock().unwrap().iter())
+    {
+        assert!(seen.insert(*id), "row {id} ran twice");
+    }
+    assert_eq!(seen.len(), rows, "every row ran once");
     fx.cleanup().await;
 }
