@@ -205,6 +205,7 @@ macro_rules! conformance_suite {
                 a_pause_through_another_broker_reaches_this_one,
                 run_now_starts_a_scheduled_row_promptly,
                 a_subscription_stopped_while_paused_gives_its_waiting_rows_back,
+                dead_letters_requeued_through_another_broker_run_promptly,
             );
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);

@@ -312,3 +312,69 @@ pub async fn a_subscription_stopped_while_paused_gives_its_waiting_rows_back<D: 
     assert_eq!(seen.len(), rows, "every row ran once");
     fx.cleanup().await;
 }
+
+/// Dead letters requeued through another broker run promptly on an idle queue: at once where
+/// the backend pushes signals (the poll is far longer than the bound), within the poll interval
+/// elsewhere. The figure goes to the report.
+pub async fn dead_letters_requeued_through_another_broker_run_promptly<D: TestDb>(mode: ClaimMode) {
+    let mut fx = Fixture::<D>::new(mode, |b| {
+        b.max_attempts(1)
+            .dead_letter(broker_core::DeadLetter::Column("dead_at".into()))
+    })
+    .await;
+    let q = fx.queue().await;
+    let operator = fx.other_queue().await;
+    let pushed = fx.broker.backend().capabilities().cross_process_wakeups;
+    let (poll, bound) = if pushed {
+        (Duration::from_secs(10), Duration::from_secs(1))
+    } else {
+        let poll = Duration::from_millis(500);
+        (poll, 2 * poll + Duration::from_secs(1))
+    };
+    fx.publish(&q, 1).await;
+    crate::claim_one(&q)
+        .await
+        .dead_letter()
+        .await
+        .expect("dead-letter the row");
+    let (sub, starts) = subscribe_recording::<D>(
+        &q,
+        SubscribeOptions::new().concurrency(2).poll_interval(poll),
+        Duration::ZERO,
+    );
+    // Let the subscription find nothing due and wait for its poll.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(count(&starts), 0, "a dead letter ran");
+    let moved = operator
+        .requeue_dead(broker_core::DeadLetters::All)
+        .await
+        .expect("requeue");
+    assert_eq!(moved, 1);
+    let asked = Instant::now();
+    wait_until(
+        "the requeued row to start",
+        bound + Duration::from_secs(10),
+        || {
+            let n = count(&starts);
+            async move { n > 0 }
+        },
+    )
+    .await;
+    let took = starts.lock().unwrap()[0].0.saturating_duration_since(asked);
+    report(&format!(
+        "signals: {} {mode}: requeue_dead through another broker started the row {} ms later (bound {} ms, poll {} ms)",
+        fx.broker.backend().capabilities().database,
+        took.as_millis(),
+        bound.as_millis(),
+        poll.as_millis()
+    ));
+    assert!(
+        took <= bound,
+        "requeue_dead through another broker started the row {} ms later (bound {} ms)",
+        took.as_millis(),
+        bound.as_millis()
+    );
+    acked(&q, 1, "the requeued row acked").await;
+    sub.shutdown().await;
+    fx.cleanup().await;
+}
