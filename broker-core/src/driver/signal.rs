@@ -166,28 +166,28 @@ impl Gate {
 }
 
 /// A future that keeps an [`Entered`] until its first poll: the handler has started once it
-/// was polled.
+/// was polled. The handler's future is boxed already (`Unpin`), so this adds no allocation.
 pub(crate) struct Started<'a, F> {
-    inner: std::pin::Pin<Box<F>>,
+    inner: F,
     entered: Option<Entered<'a>>,
 }
 
 impl<'a, F> Started<'a, F> {
     pub(crate) fn new(inner: F, entered: Entered<'a>) -> Self {
         Self {
-            inner: Box::pin(inner),
+            inner,
             entered: Some(entered),
         }
     }
 }
 
-impl<F: Future> Future for Started<'_, F> {
+impl<F: Future + Unpin> Future for Started<'_, F> {
     type Output = F::Output;
     fn poll(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<F::Output> {
-        let out = self.inner.as_mut().poll(cx);
+        let out = std::pin::Pin::new(&mut self.inner).poll(cx);
         self.entered = None;
         out
     }
