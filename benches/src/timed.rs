@@ -485,10 +485,10 @@ impl<B: Backend> Backend for Timed<B> {
     async fn listen(
         &self,
         table: &Arc<TableDescription>,
-        wake: Arc<tokio::sync::Notify>,
+        wakeup: Arc<broker_core::driver::Wakeup>,
     ) -> Result<Option<broker_core::driver::Listening>> {
         if self.listen {
-            self.inner.listen(table, wake).await
+            self.inner.listen(table, wakeup).await
         } else {
             Ok(None)
         }

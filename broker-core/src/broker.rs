@@ -726,8 +726,8 @@ impl<B: Backend, T> Queue<B, T> {
         }
     }
 
-    /// Puts dead letters back in the queue, due now with attempt 1, and wakes this process's
-    /// subscriptions; returns how many. Safe to run twice: a requeued row is no longer a dead
+    /// Puts dead letters back in the queue, due now with attempt 1, and wakes this broker's
+    /// subscriptions (on PostgreSQL every process's); returns how many. Safe to run twice: a requeued row is no longer a dead
     /// letter. With [`DeadLetters::Ids`], every id must be a dead letter, or nothing changes
     /// ([`SqlxBrokerError::RowNotFound`] names the first that is not).
     pub async fn requeue_dead(&self, which: DeadLetters) -> Result<u64> {
@@ -742,6 +742,8 @@ impl<B: Backend, T> Queue<B, T> {
             )
             .await?;
         if n > 0 {
+            // Requeued rows may sit before where this process's claims start reading.
+            self.inner.shared.head.rescan();
             self.wake();
         }
         Ok(n)
@@ -792,7 +794,10 @@ impl<B: Backend, T> Queue<B, T> {
     }
 
     /// Makes unfinished row `id` (scheduled, or waiting for a delayed retry) due now and wakes
-    /// this process's subscriptions; a row that is due already stays as it is.
+    /// this broker's subscriptions (on PostgreSQL every process's, through a `NOTIFY` sent in
+    /// the change's transaction); a row that is due already stays as it is. The row takes its
+    /// place among the due rows by its new due time (now), behind rows that were due before it,
+    /// as the claim order says; see docs/operating.md.
     ///
     /// # Errors
     /// As [`cancel`](Self::cancel).
@@ -829,9 +834,11 @@ impl<B: Backend, T> Queue<B, T> {
             .await
     }
 
-    /// Pauses the queue in every process: subscriptions of this process stop claiming at once,
-    /// those of other processes within their poll interval; rows in work finish, and publishes
-    /// are still accepted. `by` says who paused it (shown by `stats()` and the CLI). The state
+    /// Pauses the queue in every process: when this returns, no handler of the queue starts
+    /// any more through this broker (rows claimed but not started wait, holding their claim,
+    /// for a resume); other brokers hear it at once on PostgreSQL (a `NOTIFY` sent in the
+    /// pause's transaction) and within their poll interval on the other databases. Rows in work
+    /// finish, and publishes are still accepted. `by` says who paused it (shown by `stats()` and the CLI). The state
     /// lives in the control table ([`CONTROL_TABLE`](crate::driver::CONTROL_TABLE)) that
     /// [`Broker::create_tables`] creates.
     ///
@@ -855,12 +862,12 @@ impl<B: Backend, T> Queue<B, T> {
                 format!("the queue is paused already{since}; resume it first"),
             ));
         }
-        self.inner.shared.broker.pause_changed(name);
+        self.inner.shared.broker.pause_changed(name, true).await;
         Ok(())
     }
 
-    /// Resumes a paused queue in every process (at once in this one, within their poll interval
-    /// in others).
+    /// Resumes a paused queue in every process (at once through this broker, and on PostgreSQL
+    /// in every process; within their poll interval in others).
     ///
     /// # Errors
     /// [`SqlxBrokerError::Refused`] when the queue is not paused, or the control table is
@@ -871,7 +878,7 @@ impl<B: Backend, T> Queue<B, T> {
         if !self.backend().admin().set_pause(name, None).await? {
             return Err(self.refused("resume", "the queue is not paused"));
         }
-        self.inner.shared.broker.pause_changed(name);
+        self.inner.shared.broker.pause_changed(name, false).await;
         Ok(())
     }
 

@@ -103,6 +103,12 @@ impl Head {
         }
     }
 
+    /// Rows came back before the head (dead letters requeued): the next claim reads from the
+    /// start.
+    pub(crate) fn rescan(&self) {
+        self.lock().full_scan = None;
+    }
+
     /// This process gave a row back at `position` (retried, released, rolled back): claims
     /// start at or before it from now on.
     pub(crate) fn gave_back(&self, position: Position) {

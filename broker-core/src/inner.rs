@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::claim_mode::ClaimMode;
-use crate::driver::{Action, Backend, Candidate, ErrorClass};
+use crate::driver::{Action, Backend, Candidate, ErrorClass, Gate};
 use crate::error::SqlxBrokerError;
 use crate::head::Head;
 use crate::metrics::{Counter, Metrics};
@@ -35,6 +35,8 @@ pub(crate) struct BrokerInner<B: Backend> {
     /// Counts the pauses and resumes made through this broker, so its subscriptions read the
     /// pause state again at once instead of at their next poll.
     pub(crate) pause_epoch: std::sync::atomic::AtomicU64,
+    /// Each table's gate (see [`Gate`]), shared by the broker's subscriptions of the table.
+    gates: Mutex<HashMap<String, Arc<Gate>>>,
 }
 
 /// A running subscription engine, counted in [`BrokerInner::engines`] until dropped.
@@ -60,6 +62,7 @@ impl<B: Backend> BrokerInner<B> {
             held_keys: Mutex::new(HashSet::new()),
             cleanups: Mutex::new(JoinSet::new()),
             pause_epoch: std::sync::atomic::AtomicU64::new(0),
+            gates: Mutex::new(HashMap::new()),
         }
     }
 
@@ -72,8 +75,26 @@ impl<B: Backend> BrokerInner<B> {
         }
     }
 
-    /// A queue of this broker was paused or resumed: its subscriptions read the state again now.
-    pub(crate) fn pause_changed(&self, table: &str) {
+    /// The gate of `table`'s handlers in this broker.
+    pub(crate) fn gate(&self, table: &str) -> Arc<Gate> {
+        self.gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(table.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// A queue of this broker was paused (`true`) or resumed: its gate shuts or opens now (a
+    /// pause returns once no handler of the table can start in this broker), and its
+    /// subscriptions read the state again and look.
+    pub(crate) async fn pause_changed(&self, table: &str, paused: bool) {
+        let gate = self.gate(table);
+        if paused {
+            gate.shut().await;
+        } else {
+            gate.set(false);
+        }
         self.pause_epoch.fetch_add(1, Ordering::SeqCst);
         self.wake(table);
     }

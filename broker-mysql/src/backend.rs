@@ -625,7 +625,7 @@ impl Backend for MySqlBackend {
     async fn listen(
         &self,
         _table: &Arc<TableDescription>,
-        _wake: Arc<tokio::sync::Notify>,
+        _wakeup: Arc<broker_core::driver::Wakeup>,
     ) -> Result<Option<broker_core::driver::Listening>> {
         // MySQL has no LISTEN/NOTIFY: other processes' rows are found by the poll.
         Ok(None)

@@ -13,7 +13,7 @@
 //! These statements are not on the hot path: they are built per call and sent unnamed where
 //! the backend is behind a transaction-mode pooler.
 
-use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CONTROL_TABLE, Signal, StatsCounts};
 use broker_core::{
     ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -22,6 +22,7 @@ use broker_core::{
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Row};
 
+use crate::notify::SIGNALS;
 use crate::sql::{due_key, ident, literal, ts};
 
 /// `expr` (a `TIMESTAMPTZ`) as unix ms, NULL when infinite.
@@ -434,9 +435,20 @@ impl PgAdmin<'_> {
         id: i64,
         now_ms: i64,
         change: String,
+        signal: Option<Signal>,
     ) -> Result<RowChange> {
         let f = Frag::new(t);
         let err = |e| SqlxBrokerError::statement(t.name(), name, e);
+        // The signal rides in the change's statement: sent at its commit, and only when it
+        // changed a row.
+        let (change, payload) = match signal {
+            Some(s) => (notifying(&change, 3), Some(s.payload(t.name()))),
+            None => (change, None),
+        };
+        let bind_signal = |q: sqlx::query::Query<'static, sqlx::Postgres, _>| match &payload {
+            Some(p) => q.bind(SIGNALS).bind(p.clone()),
+            None => q,
+        };
         if let ModeColumns::Advisory { key: template } = t.mode_columns() {
             // The key lock lives in the session: a connection of its own, closed afterwards.
             let mut conn = PgConnection::connect_with(&self.pool.connect_options())
@@ -470,9 +482,7 @@ impl PgAdmin<'_> {
                     "its advisory key \"{key}\" is held"
                 )));
             }
-            let n = sqlx::query(AssertSqlSafe(change))
-                .bind(now_ms)
-                .bind(id)
+            let n = bind_signal(sqlx::query(AssertSqlSafe(change)).bind(now_ms).bind(id))
                 .execute(&mut conn)
                 .await
                 .map_err(err)?
@@ -485,7 +495,11 @@ impl PgAdmin<'_> {
             return self.why_not(t, id, now_ms).await;
         }
         let n = self
-            .execute(t, name, self.query(change).bind(now_ms).bind(id))
+            .execute(
+                t,
+                name,
+                bind_signal(self.query(change).bind(now_ms).bind(id)),
+            )
             .await?;
         if n > 0 {
             return Ok(RowChange::Done);
@@ -509,6 +523,19 @@ impl PgAdmin<'_> {
             _ => format!("q.{} = $2::int8 AND {unf}", f.id),
         }
     }
+}
+
+/// `change` (an `INSERT`, `UPDATE` or `DELETE` without `RETURNING`) as a statement that also
+/// notifies, once per row it changes (PostgreSQL folds equal notifications of a transaction
+/// into one), on channel `$first` with payload `$first + 1`; it returns one row per change, so
+/// its row count is the change's. One statement: the notification is sent when the change
+/// commits, and a listener never hears it before the change is visible.
+fn notifying(change: &str, first: usize) -> String {
+    format!(
+        "WITH sqlx_broker_changed AS ({change} RETURNING 1) \
+         SELECT pg_notify(${first}::text, ${}::text) FROM sqlx_broker_changed",
+        first + 1
+    )
 }
 
 /// The control table's DDL (see [`CONTROL_TABLE`]).
@@ -746,6 +773,16 @@ impl AdminDriver for PgAdmin<'_> {
             }
             (None, None) => unreachable!("checked by the core"),
         };
+        if moved > 0 {
+            // In the transaction: listeners hear it when the rows are back, never before.
+            sqlx::query("SELECT pg_notify($1::text, $2::text)")
+                .persistent(self.prepared)
+                .bind(SIGNALS)
+                .bind(Signal::RequeueDead.payload(t.name()))
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+        }
         tx.commit().await.map_err(err)?;
         Ok(moved)
     }
@@ -780,7 +817,7 @@ impl AdminDriver for PgAdmin<'_> {
             f.table,
             self.target(t)
         );
-        self.fenced(t, "cancel", id, now_ms, sql).await
+        self.fenced(t, "cancel", id, now_ms, sql, None).await
     }
 
     async fn run_now(&self, t: &TableDescription, id: i64, now_ms: i64) -> Result<RowChange> {
@@ -797,7 +834,8 @@ impl AdminDriver for PgAdmin<'_> {
             self.target(t),
             f.due(),
         );
-        self.fenced(t, "run now", id, now_ms, sql).await
+        self.fenced(t, "run now", id, now_ms, sql, Some(Signal::RunNow))
+            .await
     }
 
     async fn purge_finished(&self, t: &TableDescription, before_ms: i64) -> Result<u64> {
@@ -842,20 +880,30 @@ impl AdminDriver for PgAdmin<'_> {
 
     async fn set_pause(&self, table: &str, pause: Option<&Pause>) -> Result<bool> {
         let err = |e| SqlxBrokerError::statement(table, "pause", e);
+        // The signal rides in the change's statement: sent when the change commits, and only
+        // when it changed the row.
         let q = match pause {
             Some(p) => self
-                .query(format!(
-                    "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) \
-                     VALUES ($1::text, $2::int8, $3::text) ON CONFLICT (queue) DO NOTHING"
+                .query(notifying(
+                    &format!(
+                        "INSERT INTO {CONTROL_TABLE} (queue, paused_at_ms, paused_by) \
+                         VALUES ($1::text, $2::int8, $3::text) ON CONFLICT (queue) DO NOTHING"
+                    ),
+                    4,
                 ))
                 .bind(table.to_owned())
                 .bind(p.since_ms)
-                .bind(p.by.clone()),
+                .bind(p.by.clone())
+                .bind(SIGNALS)
+                .bind(Signal::Pause.payload(table)),
             None => self
-                .query(format!(
-                    "DELETE FROM {CONTROL_TABLE} WHERE queue = $1::text"
+                .query(notifying(
+                    &format!("DELETE FROM {CONTROL_TABLE} WHERE queue = $1::text"),
+                    2,
                 ))
-                .bind(table.to_owned()),
+                .bind(table.to_owned())
+                .bind(SIGNALS)
+                .bind(Signal::Resume.payload(table)),
         };
         crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))
             .await

@@ -799,7 +799,7 @@ impl Backend for PgBackend {
     async fn listen(
         &self,
         table: &Arc<TableDescription>,
-        wake: Arc<tokio::sync::Notify>,
+        wakeup: Arc<broker_core::driver::Wakeup>,
     ) -> Result<Option<broker_core::driver::Listening>> {
         if !self.prepared() {
             // Behind a transaction-mode pooler LISTEN would be lost without a word: poll.
@@ -807,7 +807,7 @@ impl Backend for PgBackend {
         }
         let channel = notify::channel(table.name());
         self.listener
-            .register(&self.pool, table.name(), channel, wake)
+            .register(&self.pool, table.name(), channel, wakeup)
             .await
             .map(Some)
     }

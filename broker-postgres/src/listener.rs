@@ -13,23 +13,31 @@
 //! backend (per broker), counted against the server's `max_connections`, not the pool's size.
 //! It closes when the user's pool closes or the backend is dropped.
 //!
+//! # Operator signals
+//! Besides the tables' channels the connection listens on the library's signal channel
+//! ([`SIGNALS`]), on which the admin statements notify `pause`, `resume`, `run_now` and
+//! `requeue_dead` (in the transaction of their change) with the table in the payload; a signal
+//! goes to the registrations of that table ([`Wakeup::signal`]).
+//!
 //! # Lost notifications
 //! When the connection drops, the task connects again, listens on every registered channel, and
-//! wakes each registration once: what was published while nobody listened is found by that
-//! look. The poll stays the correctness path.
+//! then tells each registration once ([`Wakeup::missed`]): what was published while nobody
+//! listened is found by one look, and a pause made meanwhile by one read of the pause state,
+//! made after the `LISTEN` so that no pause falls between the two. The poll stays the
+//! correctness path.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
-use broker_core::driver::Listening;
+use broker_core::driver::{Listening, Signal, Wakeup};
 use broker_core::{Result, SqlxBrokerError};
 use sqlx::Acquire;
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
-use crate::notify::{POOLER_HINT, session_is_pinned};
+use crate::notify::{POOLER_HINT, SIGNALS, channel as table_channel, session_is_pinned};
 
 /// The wake-ups of one backend: registrations by channel, and the task that listens.
 #[derive(Debug)]
@@ -51,7 +59,7 @@ enum Command {
 }
 
 /// The registrations of one channel: a registration id and the subscription's waker.
-type Registrations = Vec<(u64, Weak<Notify>)>;
+type Registrations = Vec<(u64, Weak<Wakeup>)>;
 
 /// Registrations by channel.
 #[derive(Debug, Default)]
@@ -66,7 +74,7 @@ impl Wakers {
     }
 
     /// Adds a registration; returns its id and whether it is the channel's first.
-    fn add(&self, channel: &str, wake: &Arc<Notify>) -> (u64, bool) {
+    fn add(&self, channel: &str, wake: &Arc<Wakeup>) -> (u64, bool) {
         let id = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -94,16 +102,34 @@ impl Wakers {
     fn wake(&self, channel: &str) {
         if let Some(list) = self.lock().get(channel) {
             for w in list.iter().filter_map(|(_, w)| w.upgrade()) {
-                w.notify_one();
+                w.rows();
             }
         }
     }
 
-    /// Wakes every registration once (after a reconnect).
-    fn wake_all(&self) {
+    /// Hands a notification of the library's signal channel to the registrations of the table
+    /// it names; ignores text that is not a signal.
+    fn signal(&self, payload: &str) {
+        let Some((signal, table)) = Signal::parse(payload) else {
+            tracing::debug!(
+                payload,
+                "a notification on the signal channel that is no signal"
+            );
+            return;
+        };
+        if let Some(list) = self.lock().get(&table_channel(table)) {
+            for w in list.iter().filter_map(|(_, w)| w.upgrade()) {
+                w.signal(signal);
+            }
+        }
+    }
+
+    /// Tells every registration that notifications may have been lost (after a reconnect):
+    /// each reads the pause state again and looks once.
+    fn missed_all(&self) {
         for list in self.lock().values() {
             for w in list.iter().filter_map(|(_, w)| w.upgrade()) {
-                w.notify_one();
+                w.missed();
             }
         }
     }
@@ -135,7 +161,7 @@ impl Listener {
         pool: &PgPool,
         table: &str,
         channel: String,
-        wake: Arc<Notify>,
+        wake: Arc<Wakeup>,
     ) -> Result<Listening> {
         if let Some(why) = self.off.get() {
             return Err(off(table, why));
@@ -255,12 +281,13 @@ async fn connect(
     if !session_is_pinned(conn).await.map_err(Connect::Sql)? {
         return Err(Connect::Pooled);
     }
-    let channels = wakers.channels();
-    if !channels.is_empty() {
-        l.listen_all(channels.iter().map(String::as_str))
-            .await
-            .map_err(Connect::Sql)?;
-    }
+    // The library's signal channel, whatever tables are registered: operator signals of every
+    // table come on it, with the table in the payload.
+    let mut channels = wakers.channels();
+    channels.push(SIGNALS.to_owned());
+    l.listen_all(channels.iter().map(String::as_str))
+        .await
+        .map_err(Connect::Sql)?;
     Ok((l, channels.into_iter().collect()))
 }
 
@@ -300,8 +327,10 @@ async fn run(
                     listener = Some(l);
                     listening = channels;
                     backoff = BACKOFF_START;
+                    // Listening again: what was published or signalled while nobody listened is
+                    // found by one look and one read of the pause state.
                     if was_up {
-                        wakers.wake_all();
+                        wakers.missed_all();
                     }
                     was_up = true;
                     continue;
@@ -371,15 +400,21 @@ async fn run(
                 }
             },
             received = l.try_recv() => match received {
+                Ok(Some(n)) if n.channel() == SIGNALS => {
+                    wakers.signal(n.payload());
+                    None
+                }
                 Ok(Some(n)) => {
                     wakers.wake(n.channel());
                     None
                 }
-                // The connection dropped and sqlx connected again, listening on the channels it
-                // knew: notifications in between are lost, so every registration looks once.
+                // The connection dropped. sqlx would connect again by itself at the next read;
+                // connecting here instead tells the registrations only once it listens again,
+                // so their read of the pause state sees every pause it could not hear.
                 Ok(None) => {
-                    wakers.wake_all();
-                    None
+                    tracing::warn!("the LISTEN connection dropped; reconnecting (polling meanwhile)");
+                    listener = None;
+                    continue;
                 }
                 Err(sqlx::Error::PoolClosed) => break,
                 Err(e) => Some(e),

@@ -39,6 +39,12 @@ pub(crate) fn channel(table: &str) -> String {
     format!("sqlx_broker_{hex}")
 }
 
+/// The library's channel for operator signals (`pause`, `resume`, `run_now`, `requeue_dead`):
+/// one channel for every table, the signal and the table in the payload
+/// ([`Signal::payload`](broker_core::driver::Signal::payload)). One channel, not the table's
+/// own, so a tool that watches a database's operator actions listens once.
+pub(crate) const SIGNALS: &str = "sqlx_broker_signals";
+
 /// The longest a notification of a burst of publishes waits: at most one notification per table
 /// per window leaves this process. Short against the poll interval, long against a commit.
 pub(crate) const WINDOW: Duration = Duration::from_millis(10);

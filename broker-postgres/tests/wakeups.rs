@@ -434,3 +434,124 @@ async fn a_killed_listening_connection_listens_again_and_wakes_every_subscriptio
     broker.pool().close().await;
     common::drop_database(&url).await;
 }
+
+/// Terminates the listening session of application `app`; panics unless there was one.
+async fn kill_listener(app: &str) {
+    let mut admin = common::admin().await;
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(app)
+    .fetch_all(&mut admin)
+    .await
+    .expect("terminate the listening session");
+    let _ = sqlx::Connection::close(admin).await;
+    assert_eq!(killed, [true], "one listening session, terminated");
+}
+
+/// Issue #48: operator signals survive a lost listening connection. A pause that no listener
+/// heard (written by hand into the control table, as a `NOTIFY` lost with the connection would
+/// be) is found when the listening connection comes back, long before the subscription's
+/// hour-long poll; so is a pause made through another broker right after the connection is
+/// terminated. Either way no handler starts while the queue is paused, and the resume (a
+/// signal) restarts the subscription at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pause_missed_while_the_listener_was_down_holds_once_it_listens_again() {
+    let url = common::create_database().await;
+    let (broker, app) = broker_with_pool(&url, 10).await;
+    let (operator, _) = broker_with_pool(&url, 4).await;
+    let name = broker_testkit::unique_name("sig");
+    let table = broker_testkit::describe(&name, ClaimMode::Lease)
+        .build()
+        .expect("a lease table");
+    broker.create_tables(&table).await.expect("create");
+    let q = broker
+        .queue::<broker_testkit::Job>(table.clone())
+        .await
+        .expect("queue");
+    let op = operator
+        .queue::<broker_testkit::Job>(table.clone())
+        .await
+        .expect("queue");
+    let sub = q
+        .subscribe(deaf_to_polls(), |_job| async { Outcome::Ack })
+        .expect("subscribe");
+    let publish = |n: usize| {
+        let op = op.clone();
+        async move {
+            for _ in 0..n {
+                op.publish(broker_core::NewJob::new("x".to_owned()))
+                    .await
+                    .expect("publish");
+            }
+        }
+    };
+    let acked = |n: u64, what: &'static str| {
+        let q = q.clone();
+        async move {
+            wait_until(what, Duration::from_secs(10), || {
+                let a = q.metrics().acked;
+                async move { a >= n }
+            })
+            .await;
+        }
+    };
+    let nothing_runs = |what: &'static str| {
+        let q = q.clone();
+        async move {
+            let before = q.metrics().claimed;
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            assert_eq!(q.metrics().claimed, before, "{what}");
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // 1. A pause nobody heard: the subscription does not know of it (its poll is an hour) ...
+    let by_hand = format!(
+        "INSERT INTO {} (queue, paused_at_ms, paused_by) VALUES ('{}', 0, 'by hand')",
+        broker_core::driver::CONTROL_TABLE,
+        table.name()
+    );
+    sqlx::query(sqlx::AssertSqlSafe(by_hand))
+        .execute(operator.pool())
+        .await
+        .expect("pause by hand");
+    publish(1).await;
+    acked(1, "a row published after an unheard pause runs").await;
+    // ... until its listening connection drops and comes back: the subscription reads the
+    // pause state then.
+    kill_listener(&app).await;
+    wait_until("health to show the pause", Duration::from_secs(10), || {
+        let paused = sub.health().paused;
+        async move { paused }
+    })
+    .await;
+    publish(3).await;
+    nothing_runs("a handler started after the reconnect found the pause").await;
+    op.resume().await.expect("resume");
+    acked(4, "the resume (a signal) restarts the subscription at once").await;
+
+    // 2. A pause through another broker right after the listener is terminated.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kill_listener(&app).await;
+    op.pause("while the listener is down").await.expect("pause");
+    wait_until(
+        "one session listens again",
+        Duration::from_secs(10),
+        || async { sessions_of(&app).await.1 == 1 },
+    )
+    .await;
+    publish(3).await;
+    nothing_runs("a handler started while paused, after the listener came back").await;
+    assert!(sub.health().paused, "health shows the pause");
+    op.resume().await.expect("resume");
+    acked(7, "the rows published while paused run after the resume").await;
+
+    sub.shutdown().await;
+    broker.drop_tables(&table).await.expect("drop");
+    operator.close().await;
+    broker.close().await;
+    broker.pool().close().await;
+    common::drop_database(&url).await;
+}

@@ -520,7 +520,7 @@ impl Backend for SqliteBackend {
     async fn listen(
         &self,
         _table: &Arc<TableDescription>,
-        _wake: Arc<tokio::sync::Notify>,
+        _wakeup: Arc<broker_core::driver::Wakeup>,
     ) -> Result<Option<broker_core::driver::Listening>> {
         // One process per file is the design; wake-ups within it come from publish.
         Ok(None)

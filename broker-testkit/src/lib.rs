@@ -214,6 +214,14 @@ macro_rules! conformance_suite {
                 snoozes_past_max_snoozes_end_in_the_dead_letters,
                 a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers,
             );
+            // Operator signals (cases/signals.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                no_handler_starts_after_a_pause_returns,
+                a_pause_through_another_broker_reaches_this_one,
+                run_now_starts_a_scheduled_row_promptly,
+                a_subscription_stopped_while_paused_gives_its_waiting_rows_back,
+                dead_letters_requeued_through_another_broker_run_promptly,
+            );
             $crate::conformance_suite!(@only $db; $mode);
             $crate::conformance_suite!(@server $db; $mode; $server);
             // Middleware (cases/middleware.rs).

@@ -18,6 +18,7 @@ mod row_tx;
 mod schedules;
 mod session_lock;
 mod settle;
+mod signal;
 
 pub use admin::AdminDriver;
 pub use group_cursor::GroupCursor;
@@ -29,6 +30,8 @@ pub use settle::{
     ADVISORY_SETTLE_RETRY, DeadMove, DeadStatements, MoveStep, Run, SettleStatements, bind_settle,
     settle_advisory, settle_advisory_on_pool,
 };
+pub(crate) use signal::{Gate, Started};
+pub use signal::{Signal, Wakeup};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -818,15 +821,18 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
     /// The operator statements of this backend (see [`AdminDriver`]).
     fn admin(&self) -> Self::Admin<'_>;
 
-    /// Starts delivering wake-ups from other processes for `table` into `wake`, where the
-    /// database can (see [`Capabilities::cross_process_wakeups`]), until the returned
-    /// [`Listening`] drops. The poll stays the fallback. A backend shares what it holds for
-    /// this (a connection) between every table it listens for: a subscription must cost
-    /// nothing of its own at idle.
+    /// Starts delivering wake-ups and operator [`Signal`]s from other processes for `table`
+    /// into `wakeup`, where the database can (see [`Capabilities::cross_process_wakeups`]),
+    /// until the returned [`Listening`] drops: [`Wakeup::rows`] for a publish,
+    /// [`Wakeup::signal`] for a signal (which the backend's admin statements send in the
+    /// transaction of their change), [`Wakeup::missed`] after notifications may have been
+    /// lost. The poll stays the fallback. A backend shares what it holds for this (a
+    /// connection) between every table it listens for: a subscription must cost nothing of its
+    /// own at idle.
     fn listen(
         &self,
         table: &Arc<TableDescription>,
-        wake: Arc<tokio::sync::Notify>,
+        wakeup: Arc<Wakeup>,
     ) -> impl Future<Output = Result<Option<Listening>>> + Send;
 }
 

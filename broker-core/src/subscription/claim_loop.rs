@@ -21,7 +21,7 @@ use super::timing::{claim_backoff, spread};
 use super::work::{Engine, work};
 use super::{Health, InFlight, ShutdownReport, Waiting};
 use crate::delivery::{self, Delivery};
-use crate::driver::Backend;
+use crate::driver::{Backend, Wakeup};
 use crate::error::SqlxBrokerError;
 use crate::metrics::Counter;
 use crate::mode::QueueInner;
@@ -120,7 +120,9 @@ where
         tracing::info_span!("subscription", subscription = %options.name, table = table.name());
     let wake = Arc::new(Notify::new());
     shared.broker.register_waker(table.name(), &wake);
-    let listener = match shared.broker.backend.listen(&table, wake.clone()).await {
+    let gate = shared.broker.gate(table.name());
+    let wakeup = Arc::new(Wakeup::new(wake.clone(), gate.clone()));
+    let listener = match shared.broker.backend.listen(&table, wakeup.clone()).await {
         Ok(l) => l,
         Err(e) => {
             tracing::warn!(parent: &span, error = %e, "cross-process wake-ups unavailable; polling");
@@ -132,11 +134,11 @@ where
     let mut stops = (stop.clone(), shared.broker.shutdown.subscribe());
     let pause = {
         let _timed = InFlight::begin(&health, Waiting::PauseRead);
-        PauseWatch::new(&shared, stopped(&mut stops)).await
+        PauseWatch::new(&shared, wakeup.clone(), gate.clone(), stopped(&mut stops)).await
     };
     // Stopped before it could read whether pauses can be watched: it claims nothing, and
     // shuts down with nothing to wait for.
-    let pause = pause.unwrap_or_else(PauseWatch::stopped);
+    let pause = pause.unwrap_or_else(|| PauseWatch::stopped(wakeup.clone()));
     let plan = Plan::new(&options, &table, pool_size(&queue));
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let mut claim_loop = ClaimLoop {
@@ -152,6 +154,7 @@ where
             handler,
             options: Arc::new(options),
             wake,
+            gate,
             freed: std::sync::atomic::AtomicU64::new(0),
             settlements: std::sync::atomic::AtomicU64::new(0),
             holding: std::sync::atomic::AtomicUsize::new(0),
@@ -257,9 +260,10 @@ where
                     )
                     .await;
             }
-            lock(&self.engine.health).paused = self.pause.paused;
+            let paused = self.pause.paused();
+            lock(&self.engine.health).paused = paused;
             let wait = self.happen(Happened::Ready {
-                paused: self.pause.paused,
+                paused,
                 claim_errors: self.engine.claim_errors_in_a_row(),
             });
             match self.next_event(wait).await {
@@ -322,6 +326,9 @@ where
                 Ok(p) => permits.merge(p),
                 Err(_) => break,
             }
+        }
+        if self.pause.rescan_asked() {
+            self.engine.queue.shared.head.rescan();
         }
         let e = self.engine.clone();
         self.happen(Happened::ClaimStarted);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::driver::{AdminDriver, Backend};
+use crate::driver::{AdminDriver, Backend, Gate, Wakeup};
 use crate::error::Result;
 use crate::inner::Shared;
 
@@ -26,33 +26,51 @@ async fn unless_stopped<T: Send + 'static>(
 }
 
 /// Whether a subscription's queue is paused, read from the control table at most once per poll
-/// interval, and at once after a pause or resume through this broker.
+/// interval, at once after a pause or resume through this broker, and after a signal or a lost
+/// signal from another process ([`Wakeup`]). The state lives in the table's [`Gate`], which the
+/// delivery tasks pass before their handlers start.
 pub(super) struct PauseWatch {
-    /// Whether the queue was paused at the last read.
-    pub(super) paused: bool,
+    /// The gate of the table's handlers in this broker; `None` for a subscription stopped
+    /// before it looked (it never claims, so the pause does not matter).
+    gate: Option<Arc<Gate>>,
     /// Whether the control table existed when the subscription started; without it nothing
     /// can pause the queue, and nothing is read.
     pub(super) control: bool,
     read_at: Option<tokio::time::Instant>,
     /// The broker's pause counter at the last read.
     epoch: u64,
+    wakeup: Arc<Wakeup>,
 }
 
 impl PauseWatch {
     /// A subscription stopped before it looked: it never claims, so the pause does not matter.
-    pub(super) fn stopped() -> Self {
+    pub(super) fn stopped(wakeup: Arc<Wakeup>) -> Self {
         Self {
-            paused: true,
+            gate: None,
             control: false,
             read_at: None,
             epoch: 0,
+            wakeup,
         }
+    }
+
+    /// Whether the queue is paused, as this broker knows it now.
+    pub(super) fn paused(&self) -> bool {
+        self.gate.as_ref().is_none_or(|g| g.is_paused())
+    }
+
+    /// Whether a signal asked the next claim to read from the start of the claim order (rows
+    /// came back before where claims start); clears it.
+    pub(super) fn rescan_asked(&self) -> bool {
+        self.wakeup.take_rescan()
     }
 
     /// Looks whether the control table exists; without it, nothing is read later. `None` when
     /// `stop` came first.
     pub(super) async fn new<B: Backend>(
         shared: &Arc<Shared<B>>,
+        wakeup: Arc<Wakeup>,
+        gate: Arc<Gate>,
         stop: impl Future<Output = ()>,
     ) -> Option<Self> {
         let reading = shared.clone();
@@ -72,34 +90,42 @@ impl PauseWatch {
             );
         }
         Some(Self {
-            paused: false,
+            gate: Some(gate),
             control,
             read_at: None,
             epoch: shared.broker.pause_epoch.load(Ordering::SeqCst),
+            wakeup,
         })
     }
 
-    /// Reads the pause again when the poll interval passed since the last read, or this broker
-    /// paused or resumed a queue since. A read that fails keeps the last state; a read that
-    /// `stop` overtakes too.
+    /// Reads the pause again when the poll interval passed since the last read, this broker
+    /// paused or resumed a queue since, or a signal asked for it. A read that fails keeps the
+    /// last state; a read that `stop` overtakes too; a read that a signal overtook gives way to
+    /// the signal.
     pub(super) async fn refresh<B: Backend>(
         &mut self,
         shared: &Arc<Shared<B>>,
         poll: Duration,
         stop: impl Future<Output = ()>,
     ) {
+        let Some(gate) = self.gate.clone() else {
+            return;
+        };
         if !self.control {
             return;
         }
         let epoch = shared.broker.pause_epoch.load(Ordering::SeqCst);
-        let due = self
-            .read_at
-            .is_none_or(|at| at.elapsed() >= poll || epoch != self.epoch);
+        let signalled = self.wakeup.take_reread();
+        let due = signalled
+            || self
+                .read_at
+                .is_none_or(|at| at.elapsed() >= poll || epoch != self.epoch);
         if !due {
             return;
         }
         self.epoch = epoch;
         self.read_at = Some(tokio::time::Instant::now());
+        let seq = gate.seq();
         let reading = shared.clone();
         let read = async move {
             let state: Result<_> = reading
@@ -114,10 +140,10 @@ impl PauseWatch {
             None => {}
             Some(Ok(state)) => {
                 let paused = state.is_some();
-                if paused != self.paused {
+                if paused != gate.is_paused() {
                     tracing::info!(table = shared.name(), paused, "the queue's pause changed");
                 }
-                self.paused = paused;
+                gate.apply_read(seq, paused);
             }
             Some(Err(e)) => {
                 tracing::warn!(table = shared.name(), error = %e, "reading the queue's pause failed; keeping the last state");

@@ -16,7 +16,7 @@ use super::timing::claim_backoff;
 use super::{Health, InFlight, Waiting};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{Delivery, Outcome};
-use crate::driver::{AdminDriver, Backend};
+use crate::driver::{AdminDriver, Backend, Gate, Started};
 use crate::metrics::{Counter, InWork};
 use crate::mode::QueueInner;
 use crate::table::TableDescription;
@@ -29,6 +29,8 @@ pub(super) struct Engine<B: Backend, T> {
     /// One permit per delivery whose handler runs.
     pub(super) slots: Arc<Semaphore>,
     pub(super) wake: Arc<Notify>,
+    /// Shut while the queue is paused: every handler passes it right before it starts.
+    pub(super) gate: Arc<Gate>,
     /// Settlements that may have made rows claimable (see [`frees_rows`]). A claim that found
     /// too few rows while one landed looks again at once: it may have run before that row was
     /// free, and the wake-up the settlement sent may have gone to a claim that lost the row to
@@ -52,6 +54,17 @@ impl<B: Backend, T> Engine<B, T> {
     /// Whether the subscription or the broker has been told to stop.
     pub(super) fn stopping(&self) -> bool {
         *self.stop.borrow() || *self.broker_stop.borrow()
+    }
+
+    /// Completes when the subscription or the broker is told to stop.
+    fn stopped(&self) -> impl Future<Output = ()> + use<B, T> {
+        let (mut sub, mut broker) = (self.stop.clone(), self.broker_stop.clone());
+        async move {
+            tokio::select! {
+                _ = sub.wait_for(|s| *s) => {}
+                _ = broker.wait_for(|s| *s) => {}
+            }
+        }
     }
 }
 
@@ -117,6 +130,12 @@ where
             .acquire_owned()
             .await
             .expect("the slot semaphore is never closed");
+        // Paused: the row waits here holding its claim (its lease renewed beside), and is
+        // given back unrun when the subscription stops first (see docs/operating.md).
+        let Some(entered) = engine.gate.enter(engine.stopped()).await else {
+            stop_renewal.notify_one();
+            return None;
+        };
         let in_work = InWork::enter(&inner.metrics);
         if let Some(due) = delivery.due_ms() {
             // Whole milliseconds: exact in an f64 for any due time.
@@ -134,7 +153,7 @@ where
         };
         let started = std::time::Instant::now();
         let ran = deadline::run(
-            CatchUnwind((engine.handler.f)(job, lent.clone())),
+            CatchUnwind(Started::new((engine.handler.f)(job, lent.clone()), entered)),
             options.timeout,
             options.cancel_grace,
             &signal,
@@ -185,9 +204,13 @@ where
         } else {
             (Some((slot, in_work)), false)
         };
-        (handled, keep)
+        Some((handled, keep))
     };
-    let ((handled, (kept, left_in_shutdown)), ()) = tokio::join!(running, renewal);
+    let (finished, ()) = tokio::join!(running, renewal);
+    let Some((handled, (kept, left_in_shutdown))) = finished else {
+        // Stopped while paused: the delivery drops unrun, which gives its row back.
+        return false;
+    };
 
     let backoff_due = |attempt| {
         let d = options.backoff(attempt);
