@@ -106,14 +106,15 @@ async fn check_on_postgres_reports_the_cases_and_leaves_no_schema_or_table() {
     let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
     let before = pg_schemas(&mut conn).await;
     let (o, pid) = check(&url, &case_args(&["--json"]), &[]);
-    assert_held(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains(&format!("schema sqlx_broker_check_{pid}_")),
         "{err}"
     );
+    // What is left first: a failed clean-up also fails the run, and its leftovers say more.
     assert_eq!(pg_objects_of(&mut conn, pid).await, BTreeSet::new());
     assert_eq!(pg_schemas(&mut conn).await, before);
+    assert_held(&o);
 
     // A case that fails (a one-second limit it cannot meet): reported as not held, by name,
     // and the scratch schema is dropped all the same.
@@ -155,7 +156,6 @@ async fn check_on_mariadb_leaves_no_database_or_table() {
         )
     };
     let (o, pid) = check(&url, &case_args(&["--json"]), &[]);
-    assert_held(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains(&format!("database sqlx_broker_check_{pid}_")),
@@ -166,6 +166,7 @@ async fn check_on_mariadb_leaves_no_database_or_table() {
         .await
         .unwrap();
     assert_eq!(left, Vec::<String>::new());
+    assert_held(&o);
     conn.close().await.unwrap();
 }
 
@@ -175,7 +176,6 @@ fn check_on_sqlite_leaves_no_file() {
     std::fs::create_dir_all(&dir).unwrap();
     let url = format!("sqlite://{}/app.db", dir.display());
     let (o, _) = check(&url, &case_args(&["--json"]), &[]);
-    assert_held(&o);
     let left: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name())
@@ -185,6 +185,7 @@ fn check_on_sqlite_leaves_no_file() {
         "the check left {left:?} in {}",
         dir.display()
     );
+    assert_held(&o);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
