@@ -340,6 +340,31 @@ mod tests {
     }
 
     #[test]
+    fn a_url_runs_the_claim_comparison_on_that_server_alone() {
+        let o = parse(&["--quick", "--url", "postgres://app@db.example.com/app"]).unwrap();
+        assert_eq!(o.filter.used_dbs(), [Db::Postgres]);
+        assert!(o.parts.claims && !o.parts.publish && !o.parts.latency);
+        assert!(!o.peer);
+        assert_eq!(o.out, None, "nothing written to benches/results");
+        assert_eq!(o.profile.reps, 3, "rounds enough for a spread");
+        let o = parse(&["--quick", "--url", "mysql://app@db/app", "--reps", "5"]).unwrap();
+        assert_eq!(o.filter.used_dbs(), [Db::MariaDb]);
+        assert_eq!(o.profile.reps, 5);
+        let (urls, db) = crate::target::Urls::from_env()
+            .with_url("sqlite:///srv/app/jobs.db")
+            .unwrap();
+        assert_eq!(db, Db::Sqlite);
+        assert_eq!(urls.sqlite_dir, Some(PathBuf::from("/srv/app")));
+        let err = crate::target::Urls::from_env()
+            .with_url("oracle://scott:tiger@db/x")
+            .unwrap_err();
+        assert!(
+            err.contains("postgres://") && !err.contains("tiger"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn an_unknown_name_is_an_error() {
         assert!(
             parse(&["--db", "oracle"])
