@@ -92,6 +92,8 @@ pub struct Options {
     pub strategy_loop: bool,
     /// Where to write results; `None` prints only.
     pub out: Option<PathBuf>,
+    /// The user's server (`--url`), in place of the one of its database's variable.
+    pub url: Option<String>,
 }
 
 /// Claim + ack throughput of sqlx-broker against a hand-written sqlx loop per mode (and
@@ -162,6 +164,12 @@ pub struct Args {
     /// Print only.
     #[arg(long)]
     pub no_write: bool,
+    /// Your own server (or SQLite file's folder): runs the claim comparison there alone, in
+    /// tables of this run's own (`sxb_bench_<pid>_..`) that it drops, and prints without
+    /// writing results. Implies --db of its database, --parts claims and --no-peer unless
+    /// given; see docs/performance.md.
+    #[arg(long, value_name = "URL")]
+    pub url: Option<String>,
 }
 
 /// FIFO group counts from the command line.
@@ -225,8 +233,19 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
 }
 
 impl From<Args> for Options {
-    fn from(a: Args) -> Options {
+    fn from(mut a: Args) -> Options {
         let mut filter = Filter::default();
+        if let Some(url) = &a.url {
+            // On a user's server: the claim comparison there alone, printed, nothing else.
+            if let Some(db) = Db::of_url(url) {
+                a.db.get_or_insert_with(|| vec![db]);
+            }
+            a.parts.get_or_insert_with(|| vec!["claims".to_owned()]);
+            a.no_peer = true;
+            a.no_write = true;
+            // Three rounds per side, so the spread over rounds means something.
+            a.reps.get_or_insert(3);
+        }
         if let Some(dbs) = a.db {
             filter.dbs = dbs;
         }
@@ -285,6 +304,7 @@ impl From<Args> for Options {
             peer: !a.no_peer,
             strategy_loop: a.strategy_loop,
             out: (!a.no_write).then_some(a.out),
+            url: a.url,
         }
     }
 }
@@ -317,6 +337,31 @@ mod tests {
         );
         assert_eq!(all.len(), 6 + 2);
         assert!(!parse(&[]).unwrap().filtered);
+    }
+
+    #[test]
+    fn a_url_runs_the_claim_comparison_on_that_server_alone() {
+        let o = parse(&["--quick", "--url", "postgres://app@db.example.com/app"]).unwrap();
+        assert_eq!(o.filter.used_dbs(), [Db::Postgres]);
+        assert!(o.parts.claims && !o.parts.publish && !o.parts.latency);
+        assert!(!o.peer);
+        assert_eq!(o.out, None, "nothing written to benches/results");
+        assert_eq!(o.profile.reps, 3, "rounds enough for a spread");
+        let o = parse(&["--quick", "--url", "mysql://app@db/app", "--reps", "5"]).unwrap();
+        assert_eq!(o.filter.used_dbs(), [Db::MariaDb]);
+        assert_eq!(o.profile.reps, 5);
+        let (urls, db) = crate::target::Urls::from_env()
+            .with_url("sqlite:///srv/app/jobs.db")
+            .unwrap();
+        assert_eq!(db, Db::Sqlite);
+        assert_eq!(urls.sqlite_dir, Some(PathBuf::from("/srv/app")));
+        let err = crate::target::Urls::from_env()
+            .with_url("oracle://scott:tiger@db/x")
+            .unwrap_err();
+        assert!(
+            err.contains("postgres://") && !err.contains("tiger"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -21,7 +21,37 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(benches::run::run(&options, |line| eprintln!("{line}")));
+    if let Some(url) = &options.url {
+        eprintln!(
+            "claim comparison on {} ({} rows per run, {} rounds per side, workers and batch per row below; tables sxb_bench_{}_.., each dropped after its run)",
+            broker_core::redact_passwords(url),
+            options.profile.rows,
+            options.profile.reps,
+            std::process::id()
+        );
+    }
+    let result = runtime.block_on(async {
+        tokio::select! {
+            r = benches::run::run(&options, |line| eprintln!("{line}")) => Some(r),
+            _ = tokio::signal::ctrl_c(), if options.url.is_some() => None,
+        }
+    });
+    // A run cut short (an error, Ctrl-C) may leave its table on the user's server: drop it.
+    if let Some(url) = &options.url
+        && !matches!(result, Some(Ok(_)))
+    {
+        match runtime.block_on(benches::run::sweep(url)) {
+            Ok(n) => eprintln!("cleaned up: {n} tables of this run dropped"),
+            Err(e) => eprintln!(
+                "error: cleaning up: {e}; drop the tables named sxb_bench_{}_.. by hand",
+                std::process::id()
+            ),
+        }
+    }
+    let Some(result) = result else {
+        eprintln!("interrupted");
+        return ExitCode::from(130);
+    };
     let report = match result {
         Ok(r) => r,
         Err(e) => {

@@ -48,7 +48,21 @@ pub async fn connect_all(dbs: &[Db], urls: &Urls) -> Result<Vec<Target>, BoxErro
 pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxError> {
     let started = Instant::now();
     let profile = &options.profile;
-    let urls = Urls::from_env();
+    let urls = match &options.url {
+        Some(url) => {
+            let (urls, db) = Urls::from_env().with_url(url)?;
+            if options.filter.used_dbs() != [db] {
+                return Err(format!(
+                    "--url is a {} URL: --db must be {} alone with it",
+                    db.label(),
+                    db.key()
+                )
+                .into());
+            }
+            urls
+        }
+        None => Urls::from_env(),
+    };
     let load_start = host::load_average_1m();
     let targets = connect_all(&options.filter.used_dbs(), &urls).await?;
     let mut report = Report {
@@ -203,10 +217,76 @@ pub async fn run(options: &Options, log: impl Fn(&str)) -> Result<Report, BoxErr
             profile.reps,
             profile.cap.as_secs_f64()
         ),
-        format!("servers (same machine, loopback): {}", servers.join("; ")),
+        if options.url.is_some() {
+            format!("server (--url): {}", servers.join("; "))
+        } else {
+            format!("servers (same machine, loopback): {}", servers.join("; "))
+        },
         "pools: the backends' `connect` defaults (PostgreSQL and MariaDB 16 connections, SQLite 8), shared by sqlx-broker and the hand-written loop (each hand-written worker holds one connection for its run); ruststream-sqlx gets a pool of 16 of its own".into(),
         "tables: a text payload and a due-time column, plus `locked_until` (lease), a key column with the template `k-{k}` over 1024 keys (advisory), or a group column with `fifo(true)` (FIFO, rows spread round-robin over the groups); acks delete rows".into(),
     ];
     report.took = started.elapsed();
     Ok(report)
+}
+
+/// Drops the tables this process made on the server at `--url` (`sxb_bench_<pid>_..`, in the
+/// URL's current schema or database), after a failed or interrupted run; returns how many.
+/// Every run drops its own table as it ends; this is for one cut short.
+///
+/// # Errors
+/// The server cannot be reached, or a drop is refused.
+pub async fn sweep(url: &str) -> Result<usize, BoxError> {
+    use sqlx::{AssertSqlSafe, Connection};
+    let pattern = format!("sxb\\_bench\\_{}\\_%", std::process::id());
+    let mut dropped = 0;
+    match Db::of_url(url) {
+        Some(Db::Postgres) => {
+            let mut conn = sqlx::PgConnection::connect(url).await?;
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT table_name::text FROM information_schema.tables \
+                 WHERE table_schema = current_schema() AND table_name LIKE $1",
+            )
+            .bind(&pattern)
+            .fetch_all(&mut conn)
+            .await?;
+            for n in names {
+                let sql = format!(
+                    "DROP TABLE IF EXISTS \"{}\" CASCADE",
+                    n.replace('"', "\"\"")
+                );
+                sqlx::query(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                dropped += 1;
+            }
+        }
+        Some(Db::MariaDb) => {
+            let mut conn = sqlx::MySqlConnection::connect(url).await?;
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME LIKE ?",
+            )
+            .bind(&pattern)
+            .fetch_all(&mut conn)
+            .await?;
+            for n in names {
+                let sql = format!("DROP TABLE IF EXISTS `{}`", n.replace('`', "``"));
+                sqlx::query(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                dropped += 1;
+            }
+        }
+        // SQLite's file is removed by `Target::close`, or by this.
+        Some(Db::Sqlite) => {
+            if let Ok((urls, _)) = Urls::from_env().with_url(url) {
+                let file = urls
+                    .sqlite_dir
+                    .unwrap_or_else(std::env::temp_dir)
+                    .join(format!("sqlx-broker-bench-{}.db", std::process::id()));
+                if file.exists() {
+                    host::remove_sqlite_files(&file);
+                    dropped += 1;
+                }
+            }
+        }
+        None => {}
+    }
+    Ok(dropped)
 }

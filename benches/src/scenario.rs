@@ -48,6 +48,19 @@ impl Db {
         }
     }
 
+    /// The database a URL is for (`postgres://`, `mysql://` or `mariadb://`, `sqlite:`).
+    pub fn of_url(url: &str) -> Option<Db> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Some(Db::Postgres)
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            Some(Db::MariaDb)
+        } else if url.starts_with("sqlite:") {
+            Some(Db::Sqlite)
+        } else {
+            None
+        }
+    }
+
     /// The claim modes the database offers (SQLite has no row locks).
     pub fn modes(self) -> &'static [ClaimMode] {
         match self {

@@ -27,6 +27,9 @@ pub struct Urls {
     pub postgres: String,
     /// MariaDB or MySQL (`SQLX_BROKER_MYSQL_URL`).
     pub mysql: String,
+    /// The folder of SQLite's file (`--url sqlite://..`: the folder of that file); the temp
+    /// folder when `None`.
+    pub sqlite_dir: Option<PathBuf>,
 }
 
 impl Urls {
@@ -37,7 +40,40 @@ impl Urls {
                 .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
             mysql: std::env::var("SQLX_BROKER_MYSQL_URL")
                 .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into()),
+            sqlite_dir: None,
         }
+    }
+
+    /// The URLs with `url` (the user's server, `--url`) in its database's place; the database
+    /// it is for.
+    ///
+    /// # Errors
+    /// A URL of no database the bench knows.
+    pub fn with_url(mut self, url: &str) -> Result<(Self, Db), String> {
+        let db = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            self.postgres = url.to_owned();
+            Db::Postgres
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            self.mysql = url.to_owned();
+            Db::MariaDb
+        } else if let Some(path) = url
+            .strip_prefix("sqlite://")
+            .or(url.strip_prefix("sqlite:"))
+        {
+            let path = path.split('?').next().unwrap_or(path);
+            let dir = std::path::Path::new(path)
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), std::path::Path::to_owned);
+            self.sqlite_dir = Some(dir);
+            Db::Sqlite
+        } else {
+            return Err(format!(
+                "--url {}: give a postgres://, mysql:// (MariaDB too) or sqlite:// URL",
+                broker_core::redact_passwords(url)
+            ));
+        };
+        Ok((self, db))
     }
 
     /// The URL of a server database (SQLite: a temporary file, so `None`).
@@ -117,7 +153,10 @@ impl Target {
         };
         Ok(match db {
             Db::Sqlite => {
-                let file = std::env::temp_dir()
+                let file = urls
+                    .sqlite_dir
+                    .clone()
+                    .unwrap_or_else(std::env::temp_dir)
                     .join(format!("sqlx-broker-bench-{}.db", std::process::id()));
                 remove_sqlite_files(&file);
                 let b = SqliteBackend::connect(&format!("sqlite://{}", file.display())).await?;
@@ -349,7 +388,8 @@ async fn publish<B: Backend>(
 ) -> Result<PublishResult, BoxError>
 where
     String: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
-    Row: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+    // queue() needs the row type to read (its bound since #47's check of the payload type).
+    Row: for<'r> FromRow<'r, <B::Db as Database>::Row>,
 {
     let table = drain::describe(&drain::table_name("p"), ClaimMode::Lease, None)?;
     broker.create_tables(&table).await?;

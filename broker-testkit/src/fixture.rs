@@ -219,7 +219,9 @@ pub fn report(line: &str) {
     {
         let _ = writeln!(f, "{line}");
     }
-    println!("{line}");
+    // On stderr, which libtest captures as it does stdout: a program that runs the cases
+    // (`sqlx-broker check --json`) keeps stdout for its own output.
+    eprintln!("{line}");
 }
 
 /// Says that a test, or a part of one, was not run and why, where it is seen though the test

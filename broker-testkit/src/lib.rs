@@ -19,6 +19,7 @@ pub(crate) mod engine_events;
 pub(crate) mod fixture;
 pub mod history;
 pub mod outage;
+pub mod registry;
 
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
@@ -96,6 +97,16 @@ macro_rules! conformance_suite {
                 },
             );
         }
+        $crate::conformance_suite!(@register $db; the_suite_covers_what_the_backend_offers; None; |_path| {
+            ::std::boxed::Box::pin(async {
+                let modes = [$($crate::__private::mode(stringify!($mode))),+];
+                $crate::cases::the_suite_covers_what_the_backend_offers::<$db>(
+                    &modes,
+                    stringify!($server) == "yes",
+                )
+                .await;
+            })
+        });
         $( $crate::conformance_suite!(@mode $db; $mode; $server); )+
         // Bad input and faults that are about no one mode (cases/hardening.rs).
         mod hardening {
@@ -144,6 +155,12 @@ macro_rules! conformance_suite {
                     $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(NAME),
                 );
             }
+            $crate::conformance_suite!(@register $db;
+                four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled; None; |path| {
+                    ::std::boxed::Box::pin(
+                        $crate::cases::four_processes_on_one_schedule_publish_each_tick_once_with_one_sigkilled::<$db>(path),
+                    )
+                });
         }
     };
     (@mode $db:ty; $mode:ident; $server:ident) => {
@@ -207,6 +224,18 @@ macro_rules! conformance_suite {
                     $crate::cases::stress_with_random_outcomes_and_kills::<$db>($crate::__private::mode(stringify!($mode)), NAME),
                 );
             }
+            $crate::conformance_suite!(@register $db; a_killed_worker_gives_its_rows_back;
+                Some(stringify!($mode)); |path| {
+                    ::std::boxed::Box::pin($crate::cases::a_killed_worker_gives_its_rows_back::<$db>(
+                        $crate::__private::mode(stringify!($mode)), path,
+                    ))
+                });
+            $crate::conformance_suite!(@register $db; stress_with_random_outcomes_and_kills;
+                Some(stringify!($mode)); |path| {
+                    ::std::boxed::Box::pin($crate::cases::stress_with_random_outcomes_and_kills::<$db>(
+                        $crate::__private::mode(stringify!($mode)), path,
+                    ))
+                });
             // Snooze (cases/snooze.rs).
             $crate::conformance_suite!(@each $db; $mode;
                 a_snooze_spends_no_attempt,
@@ -347,6 +376,11 @@ macro_rules! conformance_suite {
                     $crate::cases::$case::<$db>($crate::__private::mode(stringify!($mode))),
                 );
             }
+            $crate::conformance_suite!(@register $db; $case; Some(stringify!($mode)); |_path| {
+                ::std::boxed::Box::pin($crate::cases::$case::<$db>(
+                    $crate::__private::mode(stringify!($mode)),
+                ))
+            });
         )*
     };
     (@plain $db:ty; $($case:ident),* $(,)?) => {
@@ -358,7 +392,24 @@ macro_rules! conformance_suite {
                     $crate::cases::$case::<$db>(),
                 );
             }
+            $crate::conformance_suite!(@register $db; $case; None; |_path| {
+                ::std::boxed::Box::pin($crate::cases::$case::<$db>())
+            });
         )*
+    };
+    // Enters a stamped case in the registry ([`registry`](crate::registry)) beside its test, so
+    // `sqlx-broker check` runs the very cases the tests run. `$run` is a closure from the case's
+    // test path to its future.
+    (@register $db:ty; $case:ident; $mode:expr; $run:expr) => {
+        $crate::__private::inventory::submit! {
+            $crate::registry::Case {
+                db: $crate::__private::type_id::<$db>,
+                path: concat!(module_path!(), "::", stringify!($case)),
+                mode: $mode,
+                group: || $crate::__private::group_of(&$crate::cases::$case::<$db>),
+                run: $run,
+            }
+        }
     };
 }
 
@@ -419,6 +470,25 @@ pub mod __private {
     use std::time::Duration;
 
     pub use broker_core::ClaimMode;
+    pub use inventory;
+
+    /// The [`TypeId`](std::any::TypeId) of a test database, for the registry's entries.
+    pub fn type_id<D: 'static>() -> std::any::TypeId {
+        std::any::TypeId::of::<D>()
+    }
+
+    /// The file of `cases/` a case function is written in (`"fencing"` for
+    /// `cases::fencing::a_stale_holder_cannot_ack_by_delete`): its guarantee group. Read from
+    /// the function's type name, which names the module it is defined in; `"other"` where that
+    /// name says nothing.
+    pub fn group_of<F>(_case: &F) -> &'static str {
+        let name = std::any::type_name::<F>();
+        name.split("::cases::")
+            .nth(1)
+            .and_then(|rest| rest.split("::").next())
+            .filter(|g| !g.contains('<') && !g.is_empty())
+            .unwrap_or("other")
+    }
 
     /// Runs one stamped case, `name` its full test path, as `#[tokio::test(flavor =
     /// "multi_thread", worker_threads = 4)]` would, under the case's time limit
@@ -428,6 +498,21 @@ pub mod __private {
     /// The case runs as a task of its own, so the limit holds even while the case blocks a
     /// worker thread; the runtime is then given 10 s to stop before the test fails.
     pub fn run_case(name: &'static str, case: impl Future<Output = ()> + Send + 'static) {
+        match try_run_case(name, case) {
+            Ok(()) => {}
+            Err(CaseFailed::Panicked(payload)) => std::panic::resume_unwind(payload),
+            Err(CaseFailed::Other(message)) => panic!("{message}"),
+        }
+    }
+
+    pub use crate::registry::CaseFailed;
+
+    /// [`run_case`] returning how the case failed instead of panicking, for a runner that goes
+    /// on to the next case (`sqlx-broker check`).
+    pub fn try_run_case(
+        name: &'static str,
+        case: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), CaseFailed> {
         let (limit, variable) = case_limit(name);
         // Its threads carry the case's name, so a panic in the case's task names the case.
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -440,15 +525,21 @@ pub mod __private {
             runtime.block_on(async { tokio::time::timeout(limit, tokio::spawn(case)).await });
         runtime.shutdown_timeout(Duration::from_secs(10));
         match ended {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Ok(Err(e)) => panic!("{name}: {e}"),
-            Err(_) => panic!(
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if e.is_panic() => Err(CaseFailed::Panicked(e.into_panic())),
+            Ok(Err(e)) => Err(CaseFailed::Other(format!("{name}: {e}"))),
+            Err(_) => Err(CaseFailed::Other(format!(
                 "{name} did not finish within its limit of {} s: it hangs, or this machine is \
                  too slow for it; set {variable}=<seconds> to give it longer",
                 limit.as_secs()
-            ),
+            ))),
         }
+    }
+
+    /// Whether the case at test path `name` is one of the long ones (stress, kills, schedules
+    /// of many brokers), which `sqlx-broker check --quick` leaves out.
+    pub fn is_long_case(name: &str) -> bool {
+        LONG_CASES.contains(&name.rsplit("::").next().unwrap_or(name))
     }
 
     /// Runs a [`disruptive_test!`](crate::disruptive_test) under the long cases' limit, once the

@@ -20,6 +20,7 @@
 //! exits 1 when a check fails. No message prints the database password, and no text read from
 //! the database reaches the terminal with its control characters.
 
+mod check;
 mod connect;
 mod output;
 mod table;
@@ -103,6 +104,11 @@ enum Command {
     /// who reaches it can requeue, discard, cancel and pause: give it a token, or keep it on
     /// a loopback address behind a proxy that authenticates.
     Web(WebArgs),
+    /// Runs the conformance suite against the server at --url, in a scratch schema
+    /// (PostgreSQL), database (MariaDB/MySQL) or folder (SQLite) of its own that it drops at
+    /// the end, and reports which guarantees hold there, per claim mode. It never restarts or
+    /// reconfigures the server and touches no table of yours; see docs/testing.md.
+    Check(check::CheckArgs),
     /// Checks the deployment for the table and says what to change.
     Doctor {
         /// The concurrency each subscription will run with.
@@ -281,6 +287,7 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
         },
         Command::Doctor { .. } => unreachable!("run before the queue is prepared"),
         Command::Web(_) => unreachable!("served by run_on"),
+        Command::Check(_) => unreachable!("run by main"),
     })
 }
 
@@ -396,8 +403,42 @@ async fn open_and_run(
 }
 
 fn main() -> ExitCode {
+    // A child process a check case started (this program re-run to play a killed worker).
+    if let Some(code) = check::run_child() {
+        return code;
+    }
     let cli = Cli::parse();
     let json = cli.json;
+    if let Command::Check(args) = &cli.command {
+        // The cases run their own runtimes, one at a time: no runtime here.
+        let Some(url) = cli.url.clone().or_else(|| {
+            cli.config
+                .as_ref()
+                .and_then(|p| table::read_config(p).ok())
+                .and_then(|c| c.url)
+        }) else {
+            eprintln!(
+                "error: give the server to check: --url, SQLX_BROKER_URL, or url = \"..\" in --config"
+            );
+            return ExitCode::from(2);
+        };
+        let secret = connect::password_of(&url);
+        return match check::run(&url, args, json) {
+            Ok(code) => code,
+            Err(e) => {
+                let e = connect::hide(&e, secret.as_deref());
+                if json {
+                    println!(
+                        "{}",
+                        output::json_safe(serde_json::json!({ "error": e }).to_string())
+                    );
+                } else {
+                    eprintln!("error: {}", output::terminal_text(&e));
+                }
+                ExitCode::from(1)
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
