@@ -325,7 +325,7 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                                             @if v.state == JobState::InWork { td { (time(r.locked_until_ms, now)) } }
                                             @if dead || v.state == JobState::Finished { td { (time(r.finished_ms, now)) } }
                                             @if v.table.last_error().is_some() {
-                                                td.error-text { @if let Some(e) = &r.last_error { (preview(e, 160)) } }
+                                                td.error-text { @if let Some(e) = &r.last_error { (preview(e, 160)) @if r.last_error_cut && e.chars().count() <= 160 { "…" } } }
                                             }
                                             td { code.payload-preview { @if let Some(p) = &r.payload { (preview(p, 120)) } } }
                                         }
@@ -427,6 +427,7 @@ pub(crate) fn job(
             @if table.last_error().is_some() {
                 h2 { "Last error" }
                 @match &j.last_error { Some(e) => pre #last-error { (e) }, None => p.muted { "none" } }
+                @if j.last_error_cut { p.muted { "The first " (broker_core::admin::LAST_ERROR_READ_CHARS) " characters: the rest is in the row." } }
             }
             h2 { "Payload" }
             @match &j.payload {
@@ -527,6 +528,47 @@ mod tests {
     fn table_names_become_safe_path_segments() {
         assert_eq!(seg("public.jobs_1"), "public.jobs_1");
         assert_eq!(seg("a/b c"), "a%2Fb%20c");
+    }
+
+    #[test]
+    fn a_last_error_the_database_cut_shows_as_cut_even_at_the_listings_length() {
+        let table = TableDescription::builder("jobs")
+            .payload("payload", broker_core::ColumnType::Text)
+            .last_error("last_error")
+            .build()
+            .unwrap();
+        let ctx = Ctx {
+            base: String::new(),
+            csrf: "t".into(),
+            operator: "op".into(),
+            read_only: true,
+            session: None,
+        };
+        // Exactly the listing's length: only the flag says whether the row holds more.
+        let row = |id, cut| {
+            let mut j = JobInfo::new(id, 1, JobState::Due);
+            j.last_error = Some("e".repeat(broker_core::admin::LAST_ERROR_PREVIEW_CHARS));
+            j.last_error_cut = cut;
+            j
+        };
+        let page = |cut| {
+            let v = QueueView {
+                table: &table,
+                stats: Err("not read".into()),
+                series: None,
+                state: JobState::Due,
+                rows: Ok(vec![row(7, cut)]),
+                next_after: None,
+                notice: None,
+            };
+            queue(&ctx, Duration::from_secs(5), 60, &v).into_string()
+        };
+        assert!(page(true).contains("…"), "a cut error is marked");
+        assert!(!page(false).contains("…"), "a whole error is not");
+        let mut one = row(7, true);
+        one.last_error = Some("e".repeat(broker_core::admin::LAST_ERROR_READ_CHARS));
+        let page = job(&ctx, &table, &one, None).into_string();
+        assert!(page.contains("The first 16384 characters"), "{page}");
     }
 
     #[test]

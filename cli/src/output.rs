@@ -90,6 +90,7 @@ impl Out {
                             "payload": j.payload,
                             "payload_cut": j.payload_cut,
                             "last_error": j.last_error,
+                            "last_error_cut": j.last_error_cut,
                         })
                     })
                     .collect(),

@@ -11,6 +11,7 @@
 //! max_attempts = 5
 //! dead_letter_table = "jobs_dead"
 //! last_error = "last_error"
+//! snoozes = "snoozes"
 //! columns = { account = "bigint" }
 //! ```
 
@@ -54,6 +55,9 @@ pub(crate) struct TableArgs {
     /// The column that keeps the handler's last error.
     #[arg(long, global = true)]
     pub(crate) last_error: Option<String>,
+    /// The column that counts a row's snoozes (for `max_snoozes`).
+    #[arg(long, global = true)]
+    pub(crate) snoozes: Option<String>,
     /// The group column.
     #[arg(long, global = true)]
     pub(crate) group: Option<String>,
@@ -128,6 +132,7 @@ impl TableArgs {
             due_at: self.due_at.or(file.due_at),
             processed_at: self.processed_at.or(file.processed_at),
             last_error: self.last_error.or(file.last_error),
+            snoozes: self.snoozes.or(file.snoozes),
             group: self.group.or(file.group),
             fifo: self.fifo || file.fifo,
             priority: self.priority.or(file.priority),
@@ -170,6 +175,7 @@ impl TableArgs {
         b = set(b, &self.due_at, |b, c| b.due_at(c));
         b = set(b, &self.processed_at, |b, c| b.processed_at(c));
         b = set(b, &self.last_error, |b, c| b.last_error(c));
+        b = set(b, &self.snoozes, |b, c| b.snoozes(c));
         b = set(b, &self.group, |b, c| b.group(c));
         b = set(b, &self.priority, |b, c| b.priority(c));
         b = set(b, &self.dead_letter_table, |b, c| {
@@ -229,6 +235,8 @@ mod tests {
             locked_until = "locked_until"
             max_attempts = 3
             dead_letter_column = "dead_at"
+            due_at = "due_at"
+            snoozes = "snoozes"
             columns = { account = "bigint" }
             "#,
         )
@@ -241,6 +249,7 @@ mod tests {
         let t = flags.or(config.table).describe().unwrap();
         assert_eq!(t.name(), "other");
         assert_eq!(t.max_attempts(), Some(3));
+        assert_eq!(t.snoozes(), Some("snoozes"), "the snooze counter's column");
         assert_eq!(t.columns(), &[("account".to_owned(), ColumnType::BigInt)]);
     }
 

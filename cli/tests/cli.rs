@@ -142,6 +142,13 @@ fn exercise(url: &str, name: &str, ids: &[i64]) {
     let o = cli(url, name, &["--json", "jobs", "due"]);
     let due: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(due.as_array().map(Vec::len), Some(3), "{due}");
+    assert!(
+        due.as_array()
+            .unwrap()
+            .iter()
+            .all(|j| j["last_error_cut"] == serde_json::Value::Bool(false)),
+        "a listing says whether it cut each row's last error: {due}"
+    );
     // The next-page hint only under a full page: three rows fill a page of 2 and 3, not of 4.
     let o = cli(url, name, &["jobs", "due", "--limit", "2"]);
     assert!(
