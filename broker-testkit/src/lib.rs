@@ -21,6 +21,44 @@ pub mod history;
 pub mod outage;
 pub mod registry;
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod pg;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// `url` with its database (the path after the host) replaced by `database`, its query kept.
+pub fn url_with_database(url: &str, database: &str) -> String {
+    let (head, query) = match url.split_once('?') {
+        Some((h, q)) => (h, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = head.find("://").map_or(0, |i| i + 3);
+    let host_end = head[scheme_end..]
+        .find('/')
+        .map_or(head.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{database}", &head[..host_end]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// Whether `name` (a [`unique_name`], `sb_<what>_<pid>_..`) was made by another test process
+/// that is gone: what a test that panicked left behind, which the next run may drop.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    expect(dead_code, reason = "used by the server backends' test databases")
+)]
+pub(crate) fn left_by_a_gone_process(name: &str) -> bool {
+    let pid = name.split('_').nth(2).and_then(|p| p.parse::<u32>().ok());
+    pid.is_some_and(|pid| {
+        pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    })
+}
+
 pub use fixture::{
     DbOf, Fixture, Job, JobText, Runs, TestDb, UNDECODABLE, assert_counters_add_up, claim_one,
     claim_within, describe, hold_row_lock_on, report, report_not_run, subscribe_counting,

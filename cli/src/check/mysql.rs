@@ -2,56 +2,13 @@
 //! create one, tables of this run's own names in the URL's database), brokers whose server
 //! connections are known by id, and the probes the cases ask for.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use broker_core::Broker;
-use broker_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-use broker_mysql::sqlx::{self, AssertSqlSafe, Connection, Executor, MySqlConnection, MySqlPool};
-use broker_mysql::{MySqlBackend, MySqlBroker};
+use broker_mysql::sqlx::{self, AssertSqlSafe, Connection, Executor, MySqlConnection};
+use broker_testkit::mysql::{MySqlDb, MySqlPlace, admin_at as connect_one, quote};
+use broker_testkit::url_with_database as with_database;
 
 use super::{Place, Scratch, scratch_name};
-
-fn quote(name: &str) -> String {
-    format!("`{}`", name.replace('`', "``"))
-}
-
-async fn connect_one(url: &str) -> Result<MySqlConnection, String> {
-    let options = MySqlBackend::connect_options(url).map_err(|e| e.to_string())?;
-    match tokio::time::timeout(
-        Duration::from_secs(20),
-        MySqlConnection::connect_with(&options),
-    )
-    .await
-    {
-        Ok(Ok(mut c)) => {
-            // A DROP never waits long for a metadata lock a case left behind.
-            let _ = c.execute("SET SESSION lock_wait_timeout = 20").await;
-            Ok(c)
-        }
-        Ok(Err(e)) => Err(format!("cannot connect: {e}")),
-        Err(_) => Err("the server did not answer within 20 s".to_owned()),
-    }
-}
-
-/// `url` with its database replaced by `database`.
-fn with_database(url: &str, database: &str) -> String {
-    let (head, query) = match url.split_once('?') {
-        Some((h, q)) => (h, Some(q)),
-        None => (url, None),
-    };
-    let scheme_end = head.find("://").map_or(0, |i| i + 3);
-    let host_end = head[scheme_end..]
-        .find('/')
-        .map_or(head.len(), |i| scheme_end + i);
-    let mut out = format!("{}/{database}", &head[..host_end]);
-    if let Some(q) = query {
-        out.push('?');
-        out.push_str(q);
-    }
-    out
-}
 
 /// The statements whose refusal says a right is missing: what the cases do to a table of
 /// their own (create, index, trigger, alter, drop).
@@ -211,13 +168,7 @@ async fn own_tables(conn: &mut MySqlConnection) -> Result<Vec<String>, String> {
 /// Ends this run's connections and drops what it made.
 pub(super) async fn clean(scratch: &Scratch) -> Result<String, String> {
     let mut conn = connect_one(&scratch.admin_url).await?;
-    let mine: HashSet<u64> = registry()
-        .lock()
-        .unwrap()
-        .values()
-        .flat_map(|ids| ids.lock().unwrap().iter().copied().collect::<Vec<_>>())
-        .collect();
-    for id in mine {
+    for id in broker_testkit::mysql::all_connection_ids() {
         let _ = conn
             .execute(AssertSqlSafe(format!("KILL CONNECTION {id}")))
             .await;
@@ -261,253 +212,21 @@ pub(super) async fn clean(scratch: &Scratch) -> Result<String, String> {
     Ok(done)
 }
 
-type Ids = Arc<Mutex<HashSet<u64>>>;
+/// The check's place on MariaDB / MySQL: the scratch database (or the fallback's tables),
+/// probes on the scratch URL.
+pub(crate) struct InScratch;
 
-/// The server connection ids each pool of this run has opened, by its connect options' address.
-fn registry() -> &'static Mutex<HashMap<usize, Ids>> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, Ids>>> = OnceLock::new();
-    POOLS.get_or_init(Default::default)
-}
-
-fn pool_key(pool: &MySqlPool) -> usize {
-    Arc::as_ptr(&pool.connect_options()) as usize
-}
-
-fn connection_ids(pool: &MySqlPool) -> HashSet<u64> {
-    let ids = registry()
-        .lock()
-        .unwrap()
-        .get(&pool_key(pool))
-        .cloned()
-        .unwrap_or_default();
-    let ids = ids.lock().unwrap();
-    ids.clone()
-}
-
-async fn connect(url: &str) -> MySqlBroker {
-    let ids: Ids = Arc::default();
-    let record = ids.clone();
-    let options: MySqlConnectOptions = MySqlBackend::connect_options(url).expect("a MySQL URL");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(12)
-        .acquire_timeout(Duration::from_secs(60))
-        .after_connect(move |conn, _meta| {
-            let record = record.clone();
-            Box::pin(async move {
-                let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-                    .fetch_one(&mut *conn)
-                    .await?;
-                record.lock().unwrap().insert(id);
-                Ok(())
-            })
-        })
-        .connect_with(options)
-        .await
-        .unwrap_or_else(|e| panic!("MariaDB/MySQL is unreachable: {e}"));
-    registry().lock().unwrap().insert(pool_key(&pool), ids);
-    Broker::new(MySqlBackend::new(pool))
-}
-
-async fn admin() -> MySqlConnection {
-    connect_one(&super::scratch_url())
-        .await
-        .unwrap_or_else(|e| panic!("a probe connection: {e}"))
-}
-
-async fn live_ids(admin: &mut MySqlConnection) -> HashSet<u64> {
-    sqlx::query_scalar("SELECT CAST(ID AS UNSIGNED) FROM information_schema.PROCESSLIST")
-        .fetch_all(admin)
-        .await
-        .expect("read the process list")
-        .into_iter()
-        .collect()
-}
-
-/// The sessions with an open transaction, from InnoDB's monitor; `None` where the user may not
-/// read it (it needs the PROCESS right).
-async fn sessions_in_transaction(admin: &mut MySqlConnection) -> Option<HashSet<u64>> {
-    let status: (String, String, String) = sqlx::query_as("SHOW ENGINE INNODB STATUS")
-        .fetch_one(admin)
-        .await
-        .ok()?;
-    let list = status
-        .2
-        .split("LIST OF TRANSACTIONS FOR EACH SESSION:")
-        .nth(1)?;
-    let list = list.split("\n--------\n").next().unwrap_or(list);
-    Some(
-        list.split("---TRANSACTION ")
-            .skip(1)
-            .filter(|block| block.lines().next().is_some_and(|l| l.contains("ACTIVE")))
-            .filter_map(|block| {
-                let (_, rest) = block.split_once("thread id ")?;
-                rest.split(|c: char| !c.is_ascii_digit())
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect(),
-    )
-}
-
-/// The check's view of MariaDB / MySQL: the scratch database.
-pub(crate) struct CheckMySql;
-
-impl broker_testkit::TestDb for CheckMySql {
-    type B = MySqlBackend;
-    type Job = broker_testkit::Job;
-    type Text = String;
-    const BATCHED_ACKS: bool = true;
+impl MySqlPlace for InScratch {
+    fn admin_url() -> String {
+        super::scratch_url()
+    }
 
     async fn database() -> String {
         super::scratch_url()
     }
 
-    async fn connect(url: &str) -> Broker<MySqlBackend> {
-        connect(url).await
-    }
-
-    async fn key_is_held(broker: &MySqlBroker, key: &str) -> bool {
-        broker
-            .backend()
-            .is_key_held(key)
-            .await
-            .expect("probe the key")
-    }
-
-    async fn kill_connections(broker: &MySqlBroker) -> Option<usize> {
-        let mut admin = admin().await;
-        let mine = connection_ids(broker.pool());
-        let mut killed = Vec::new();
-        for id in live_ids(&mut admin).await.intersection(&mine) {
-            if admin
-                .execute(AssertSqlSafe(format!("KILL CONNECTION {id}")))
-                .await
-                .is_ok()
-            {
-                killed.push(*id);
-            }
-        }
-        for _ in 0..250 {
-            let live = live_ids(&mut admin).await;
-            if killed.iter().all(|id| !live.contains(id)) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let _ = admin.close().await;
-        Some(killed.len())
-    }
-
-    fn quote(name: &str) -> String {
-        quote(name)
-    }
-
-    fn outdated_claim_index(table: &str) -> Vec<String> {
-        vec![format!(
-            "ALTER TABLE {} DROP INDEX sqlx_broker_claim, ADD INDEX sqlx_broker_claim (`id`)",
-            quote(table)
-        )]
-    }
-
-    fn drop_key_index(table: &str) -> Vec<String> {
-        vec![format!(
-            "ALTER TABLE {} DROP INDEX sqlx_broker_key",
-            quote(table)
-        )]
-    }
-
-    fn drop_unique_index(table: &str) -> Vec<String> {
-        vec![format!(
-            "ALTER TABLE {} DROP INDEX sqlx_broker_unique",
-            quote(table)
-        )]
-    }
-
-    async fn hold_row_lock(
-        broker: &MySqlBroker,
-        sql: &str,
-    ) -> Option<Box<dyn std::any::Any + Send>> {
-        Some(broker_testkit::hold_row_lock_on(broker.pool(), sql).await)
-    }
-
-    async fn session_id(conn: &mut sqlx::MySqlConnection) -> Option<i64> {
-        let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
-            .fetch_one(conn)
-            .await
-            .expect("CONNECTION_ID()");
-        Some(id)
-    }
-
-    async fn execute(broker: &MySqlBroker, sql: &str) -> u64 {
-        sqlx::query(AssertSqlSafe(sql.to_owned()))
-            .execute(broker.pool())
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"))
-            .rows_affected()
-    }
-
-    async fn leaks(broker: &MySqlBroker) -> Vec<String> {
-        let pool = broker.pool();
-        let mut out = Vec::new();
-        for polls in 0..=100 {
-            out.clear();
-            if !pool.is_closed() {
-                let in_use = (pool.size() as usize).saturating_sub(pool.num_idle());
-                if in_use > 0 {
-                    out.push(format!("{in_use} connections of the pool in use"));
-                }
-            }
-            let mut admin = admin().await;
-            let open = sessions_in_transaction(&mut admin).await;
-            let _ = admin.close().await;
-            if let Some(open) = open {
-                let n = open.intersection(&connection_ids(pool)).count();
-                if n > 0 {
-                    out.push(format!("{n} open transactions"));
-                }
-            }
-            if out.is_empty() || polls == 100 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        if out.is_empty() && !pool.is_closed() {
-            let mut held = Vec::new();
-            for _ in 0..pool.num_idle() {
-                match tokio::time::timeout(Duration::from_secs(5), pool.acquire()).await {
-                    Ok(Ok(conn)) => held.push(conn),
-                    _ => break,
-                }
-            }
-            for conn in &mut held {
-                let released: Option<i64> =
-                    sqlx::query_scalar("SELECT CAST(RELEASE_ALL_LOCKS() AS SIGNED)")
-                        .fetch_one(&mut **conn)
-                        .await
-                        .unwrap_or(None);
-                if released.unwrap_or(0) > 0 {
-                    out.push(format!(
-                        "an idle connection held {} user locks",
-                        released.unwrap_or(0)
-                    ));
-                }
-            }
-        }
-        out
-    }
-
-    async fn slow_down_deletes(broker: &MySqlBroker, table: &str) -> bool {
-        let sql = format!(
-            "CREATE TRIGGER {} BEFORE DELETE ON {} FOR EACH ROW SET @sqlx_broker_slow = SLEEP(0.02)",
-            quote(&format!("{table}_slow")),
-            quote(table),
-        );
-        broker
-            .pool()
-            .execute(AssertSqlSafe(sql))
-            .await
-            .expect("create the slow-delete trigger");
-        true
-    }
+    const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(60);
 }
+
+/// The check's view of MariaDB / MySQL: the scratch database.
+pub(crate) type CheckMySql = MySqlDb<InScratch>;

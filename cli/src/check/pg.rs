@@ -2,14 +2,10 @@
 //! to the schema on every session the cases open), brokers whose sessions carry an
 //! application name of this run, and the probes the cases ask for.
 
-use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use broker_core::Broker;
-use broker_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use broker_postgres::sqlx::{self, AssertSqlSafe, Connection, Executor, PgConnection};
-use broker_postgres::{PgBackend, PgBroker};
+use broker_testkit::pg::{PgDb, PgPlace};
 
 use super::{Place, Scratch, quote_double, scratch_name};
 
@@ -210,169 +206,23 @@ pub(super) async fn clean(scratch: &Scratch) -> Result<String, String> {
     Ok(done)
 }
 
-/// A broker with a pool of its own on `url`, its sessions named `sbc_<pid>_<n>`.
-async fn connect(url: &str) -> PgBroker {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let options = PgConnectOptions::from_str(url).expect("a PostgreSQL URL");
-    let app = format!("{}{}", app_prefix(), NEXT.fetch_add(1, Ordering::Relaxed));
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .min_connections(0)
-        .idle_timeout(Duration::from_secs(5))
-        .acquire_timeout(Duration::from_secs(60))
-        .connect_with(options.application_name(&app))
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL is unreachable: {e}"));
-    Broker::new(PgBackend::new(pool))
-}
+/// The check's place on PostgreSQL: the scratch schema (or the fallback's tables), sessions
+/// named `sbc_<pid>_<n>_..`, probes on the scratch URL.
+pub(crate) struct InScratch;
 
-fn app_name(broker: &PgBroker) -> String {
-    broker
-        .pool()
-        .connect_options()
-        .get_application_name()
-        .unwrap_or_default()
-        .to_owned()
-}
+impl PgPlace for InScratch {
+    fn app_prefix() -> String {
+        app_prefix()
+    }
 
-async fn admin() -> PgConnection {
-    connect_one(&super::scratch_url())
-        .await
-        .unwrap_or_else(|e| panic!("a probe connection: {e}"))
-}
-
-async fn count(sql: &'static str, app: &str) -> i64 {
-    let mut conn = admin().await;
-    let n = sqlx::query_scalar(sql)
-        .bind(app)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"));
-    let _ = conn.close().await;
-    n
-}
-
-/// The check's view of PostgreSQL: the scratch schema.
-pub(crate) struct CheckPg;
-
-impl broker_testkit::TestDb for CheckPg {
-    type B = PgBackend;
-    type Job = broker_testkit::Job;
-    type Text = String;
-    const BATCHED_ACKS: bool = true;
+    fn admin_url() -> String {
+        super::scratch_url()
+    }
 
     async fn database() -> String {
         super::scratch_url()
     }
-
-    async fn connect(url: &str) -> Broker<PgBackend> {
-        connect(url).await
-    }
-
-    async fn key_is_held(broker: &PgBroker, key: &str) -> bool {
-        broker
-            .backend()
-            .is_key_held(key)
-            .await
-            .expect("probe the key")
-    }
-
-    async fn kill_connections(broker: &PgBroker) -> Option<usize> {
-        let mut conn = admin().await;
-        let killed: Vec<bool> = sqlx::query_scalar(
-            "SELECT CASE WHEN current_setting('server_version_num')::int >= 140000 \
-                    THEN pg_terminate_backend(pid, 5000) ELSE pg_terminate_backend(pid) END \
-             FROM pg_stat_activity WHERE application_name = $1 AND pid <> pg_backend_pid()",
-        )
-        .bind(app_name(broker))
-        .fetch_all(&mut conn)
-        .await
-        .expect("terminate the broker's sessions");
-        let _ = conn.close().await;
-        Some(killed.into_iter().filter(|k| *k).count())
-    }
-
-    async fn leaks(broker: &PgBroker) -> Vec<String> {
-        let app = app_name(broker);
-        for polls in 0.. {
-            let mut out = Vec::new();
-            let locks = count(
-                "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid \
-                 WHERE l.locktype = 'advisory' AND a.application_name = $1",
-                &app,
-            )
-            .await;
-            if locks > 0 {
-                out.push(format!("{locks} advisory locks held"));
-            }
-            let open = count(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
-                &app,
-            )
-            .await;
-            if open > 0 {
-                out.push(format!("{open} sessions idle in transaction"));
-            }
-            let pool = broker.pool();
-            if !pool.is_closed() {
-                let in_use = usize::try_from(pool.size())
-                    .unwrap_or(usize::MAX)
-                    .saturating_sub(pool.num_idle());
-                if in_use > 0 {
-                    out.push(format!("{in_use} pool connections in use"));
-                }
-            }
-            if out.is_empty() || polls > 60 {
-                return out;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        unreachable!()
-    }
-
-    async fn hold_row_lock(broker: &PgBroker, sql: &str) -> Option<Box<dyn std::any::Any + Send>> {
-        Some(broker_testkit::hold_row_lock_on(broker.pool(), sql).await)
-    }
-
-    async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(conn)
-            .await
-            .expect("pg_backend_pid()");
-        Some(i64::from(pid))
-    }
-
-    async fn execute(broker: &PgBroker, sql: &str) -> u64 {
-        sqlx::query(AssertSqlSafe(sql.to_owned()))
-            .execute(broker.pool())
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"))
-            .rows_affected()
-    }
-
-    async fn slow_down_deletes(broker: &PgBroker, table: &str) -> bool {
-        let function = format!("{table}_slow_delete");
-        let statements = [
-            format!(
-                "CREATE FUNCTION {f}() RETURNS trigger LANGUAGE plpgsql AS \
-                 $$ BEGIN PERFORM pg_sleep(0.02); RETURN OLD; END $$",
-                f = quote_double(&function)
-            ),
-            format!(
-                "CREATE TRIGGER {t} BEFORE DELETE ON {table} FOR EACH ROW EXECUTE FUNCTION {f}()",
-                t = quote_double(&format!("{table}_slow")),
-                table = quote_double(table),
-                f = quote_double(&function)
-            ),
-        ];
-        for sql in statements {
-            broker
-                .pool()
-                .execute(AssertSqlSafe(sql))
-                .await
-                .expect("create the slow-delete trigger");
-        }
-        true
-    }
 }
+
+/// The check's view of PostgreSQL: the scratch schema.
+pub(crate) type CheckPg = PgDb<InScratch>;

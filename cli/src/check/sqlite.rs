@@ -3,9 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
-use broker_core::Broker;
-use broker_sqlite::sqlx::{self, AssertSqlSafe};
-use broker_sqlite::{SqliteBackend, SqliteBroker};
+use broker_sqlite::sqlx;
+use broker_testkit::sqlite::{SqliteDb, SqlitePlace};
 
 use super::{Place, Scratch, scratch_name};
 
@@ -78,105 +77,18 @@ pub(super) fn clean(scratch: &Scratch) -> Result<String, String> {
     }
 }
 
-/// The check's view of SQLite: a fresh file per case in the scratch folder.
-pub(crate) struct CheckSqlite;
+/// The check's place on SQLite: the scratch folder.
+pub(crate) struct InScratch;
 
-impl broker_testkit::TestDb for CheckSqlite {
-    type B = SqliteBackend;
-    type Job = broker_testkit::Job;
-    type Text = String;
-    const BATCHED_ACKS: bool = true;
-
-    async fn database() -> String {
+impl SqlitePlace for InScratch {
+    fn folder() -> PathBuf {
         let scratch = super::scratch_url();
-        let dir = Path::new(scratch.trim_start_matches("sqlite://"))
+        Path::new(scratch.trim_start_matches("sqlite://"))
             .parent()
             .expect("the scratch folder")
-            .to_owned();
-        let file = dir.join(format!("{}.db", broker_testkit::unique_name("db")));
-        format!("sqlite://{}", file.display())
-    }
-
-    async fn connect(url: &str) -> Broker<SqliteBackend> {
-        SqliteBackend::connect(url)
-            .await
-            .expect("open the case's database")
-    }
-
-    async fn key_is_held(broker: &SqliteBroker, key: &str) -> bool {
-        broker
-            .backend()
-            .is_key_held(key)
-            .await
-            .expect("probe the key")
-    }
-
-    async fn kill_connections(_broker: &SqliteBroker) -> Option<usize> {
-        None
-    }
-
-    async fn execute(broker: &SqliteBroker, sql: &str) -> u64 {
-        let mut conn = broker.pool().acquire().await.expect("a connection");
-        // A read first, so the connection sees the schema other connections changed.
-        sqlx::query("SELECT count(*) FROM sqlite_master")
-            .execute(&mut *conn)
-            .await
-            .expect("read the schema");
-        sqlx::query(AssertSqlSafe(sql.to_owned()))
-            .execute(&mut *conn)
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"))
-            .rows_affected()
-    }
-
-    async fn slow_down_deletes(broker: &SqliteBroker, table: &str) -> bool {
-        let rows = Self::quote(&format!("{table}_slow_rows"));
-        let statements = [
-            format!("CREATE TABLE {rows} (x INTEGER)"),
-            format!(
-                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 200000) \
-                 INSERT INTO {rows} SELECT x FROM c"
-            ),
-            format!(
-                "CREATE TRIGGER {} BEFORE DELETE ON {} BEGIN SELECT sum(x) FROM {rows}; END",
-                Self::quote(&format!("{table}_slow")),
-                Self::quote(table)
-            ),
-        ];
-        for sql in &statements {
-            Self::execute(broker, sql).await;
-        }
-        true
-    }
-
-    async fn leaks(broker: &SqliteBroker) -> Vec<String> {
-        let mut leaks = Vec::new();
-        let held = broker.backend().held_keys();
-        if held > 0 {
-            leaks.push(format!("{held} advisory keys still held"));
-        }
-        let pool = broker.pool();
-        let in_use = || {
-            pool.size()
-                .saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX))
-        };
-        for _ in 0..100 {
-            if in_use() == 0 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        let in_use = in_use();
-        if in_use > 0 {
-            leaks.push(format!("{in_use} pool connections still in use"));
-        }
-        leaks
-    }
-
-    async fn drop_database(url: &str) {
-        let path = url.trim_start_matches("sqlite://");
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{path}{suffix}"));
-        }
+            .to_owned()
     }
 }
+
+/// The check's view of SQLite: a fresh file per case in the scratch folder.
+pub(crate) type CheckSqlite = SqliteDb<InScratch>;
