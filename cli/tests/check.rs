@@ -237,15 +237,20 @@ async fn check_refuses_a_mariadb_user_without_create_and_says_what_to_grant() {
     let url = mysql_url();
     let mut admin = sqlx::MySqlConnection::connect(&url).await.unwrap();
     let user = format!("sbc_nocreate_{}", std::process::id());
+    // A database of the test's own, so what other software left in the server's `test`
+    // database (the broker's shared tables, say) cannot change which refusal the check gives.
+    let database = format!("sbc_nocreate_db_{}", std::process::id());
     for sql in [
+        format!("CREATE DATABASE `{database}`"),
         format!("CREATE USER '{user}'@'%'"),
-        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON test.* TO '{user}'@'%'"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO '{user}'@'%'"),
     ] {
         admin.execute(AssertSqlSafe(sql)).await.unwrap();
     }
     let base = url.split_once("://").unwrap().1;
-    let host_and_db = base.rsplit_once('@').map_or(base, |(_, h)| h);
-    let user_url = format!("mysql://{user}@{host_and_db}");
+    let host = base.rsplit_once('@').map_or(base, |(_, h)| h);
+    let host = host.split_once('/').map_or(host, |(h, _)| h);
+    let user_url = format!("mysql://{user}@{host}/{database}");
     let (o, pid) = check(&user_url, &case_args(&[]), &[]);
     let out = text(&o);
     let left: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -255,10 +260,12 @@ async fn check_refuses_a_mariadb_user_without_create_and_says_what_to_grant() {
     .fetch_all(&mut admin)
     .await
     .unwrap();
-    admin
-        .execute(AssertSqlSafe(format!("DROP USER '{user}'@'%'")))
-        .await
-        .unwrap();
+    for sql in [
+        format!("DROP USER '{user}'@'%'"),
+        format!("DROP DATABASE `{database}`"),
+    ] {
+        admin.execute(AssertSqlSafe(sql)).await.unwrap();
+    }
     admin.close().await.unwrap();
     assert_eq!(o.status.code(), Some(1), "{out}");
     assert!(out.contains("may not create a database"), "{out}");
