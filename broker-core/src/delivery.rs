@@ -137,6 +137,24 @@ impl<T> Job<T> {
         self.cancel.reason()
     }
 
+    /// The row, to change in place (the engine's limits read keeps a kind's decoded arguments).
+    pub(crate) fn payload_mut(&mut self) -> &mut T {
+        &mut self.payload
+    }
+    /// The same job with its row turned into another type (a kind's arguments): id, attempt,
+    /// key and cancel signal stay.
+    pub(crate) fn map_payload<U>(self, f: impl FnOnce(T) -> U) -> Job<U> {
+        Job {
+            id: self.id,
+            attempt: self.attempt,
+            key: self.key,
+            payload: f(self.payload),
+            table: self.table,
+            lease_expires_ms: self.lease_expires_ms,
+            cancel: self.cancel,
+            snoozes: self.snoozes,
+        }
+    }
     /// The delivery's cancel signal, to hand to a task the handler spawns or to keep after
     /// [`into_payload`](Self::into_payload).
     pub fn cancel_signal(&self) -> CancelSignal {
@@ -263,6 +281,9 @@ pub struct Delivery<B: Backend, T> {
     /// The subscription's [`max_snoozes`](crate::SubscribeOptions::max_snoozes); `None` for
     /// deliveries claimed by hand.
     max_snoozes: Option<u32>,
+    /// The deliveries after which a failing row is dead-lettered: the table's, or its job
+    /// kind's (see [`JobKind`](crate::JobKind)).
+    max_attempts: Option<u32>,
 }
 
 /// Where a settled row stands in the claim order once `action` put it back: a retry moves it
@@ -415,7 +436,6 @@ where
         }
         match decoded {
             Some(Ok(row)) => Some(Self {
-                queue,
                 id,
                 position,
                 attempt,
@@ -426,6 +446,8 @@ where
                 lent: false,
                 snoozes: claimed.snoozes,
                 max_snoozes: None,
+                max_attempts: queue.table.max_attempts(),
+                queue,
             }),
             None => {
                 if let Some((n, last)) = failed.filter(|_| settle_keeps_failing) {
@@ -471,7 +493,7 @@ where
                     source,
                 };
                 tracing::error!(table = queue.name(), id, attempt, error = %error, "claimed row does not decode");
-                let action = attempts::retry_or_dead(&queue.table, attempt, None);
+                let action = attempts::retry_or_dead(queue.table.max_attempts(), attempt, None);
                 let settle = Settle {
                     id,
                     action,
@@ -624,6 +646,17 @@ impl<B: Backend, T> Delivery<B, T> {
         self.max_snoozes = max;
     }
 
+    /// Sets the deliveries after which this row, failing, is dead-lettered (a job kind's
+    /// [`max_attempts`](crate::KindDefaults::max_attempts), in place of the table's).
+    pub(crate) fn set_max_attempts(&mut self, max: u32) {
+        self.max_attempts = Some(max);
+    }
+
+    /// The deliveries after which this row, failing, is dead-lettered.
+    pub(crate) fn max_attempts(&self) -> Option<u32> {
+        self.max_attempts
+    }
+
     /// Lends the row lock transaction to the handler; `None` in the other modes.
     pub(crate) fn lend_transaction(&mut self) -> Option<JobTransaction<B>> {
         match self.hold.take() {
@@ -727,9 +760,9 @@ impl<B: Backend, T> Delivery<B, T> {
         let action = match outcome {
             Outcome::Ack => Action::Ack,
             Outcome::DeadLetter => Action::DeadLetter,
-            Outcome::Retry => attempts::retry_or_dead(table, self.attempt, None),
+            Outcome::Retry => attempts::retry_or_dead(self.max_attempts, self.attempt, None),
             Outcome::RetryAfter(delay) if delay.is_zero() => {
-                attempts::retry_or_dead(table, self.attempt, None)
+                attempts::retry_or_dead(self.max_attempts, self.attempt, None)
             }
             Outcome::RetryAfter(delay) => {
                 if table.due_at().is_none() {
@@ -741,7 +774,11 @@ impl<B: Backend, T> Delivery<B, T> {
                         ),
                     });
                 }
-                attempts::retry_or_dead(table, self.attempt, Some(clock::due_ms(now_ms, delay)))
+                attempts::retry_or_dead(
+                    self.max_attempts,
+                    self.attempt,
+                    Some(clock::due_ms(now_ms, delay)),
+                )
             }
             Outcome::Snooze(delay) => {
                 if table.due_at().is_none() {

@@ -273,13 +273,10 @@ pub(crate) mod attempts {
             .is_some_and(|max| reported > i64::from(max))
     }
 
-    /// The action for a failed delivery: a retry, or a dead letter when its attempts are spent.
-    pub(crate) fn retry_or_dead(
-        table: &TableDescription,
-        reported: i64,
-        due_ms: Option<i64>,
-    ) -> Action {
-        match table.max_attempts() {
+    /// The action for a failed delivery: a retry, or a dead letter when its attempts are spent
+    /// (`max`: the table's max attempts, or the delivery's kind's).
+    pub(crate) fn retry_or_dead(max: Option<u32>, reported: i64, due_ms: Option<i64>) -> Action {
+        match max {
             Some(max) if reported >= i64::from(max) => Action::DeadLetter,
             _ => Action::Retry { due_ms },
         }

@@ -74,6 +74,7 @@ mod error;
 pub mod events;
 mod head;
 mod inner;
+mod kinds;
 mod metrics;
 mod mode;
 mod payload;
@@ -95,6 +96,7 @@ pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use driver::{Backend, Capabilities, RowState, RowTransaction};
 pub use error::{Result, SqlxBrokerError};
 pub use inner::SETTLE_FAILURE_LIMIT;
+pub use kinds::{JobKind, KindDefaults, KindRow, Workers};
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Published, Value};
@@ -106,11 +108,11 @@ pub use schedule::{
 pub use subscription::{
     BoxError, BoxFuture, DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, HandlerPanicked,
     HandlerResult, HandlerService, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
-    SubscribeOptions, Subscription, handler_service,
+    SubscribeOptions, Subscription, Unrecoverable, handler_service,
 };
 pub use table::{
     ColumnType, DEFAULT_LEASE_SECONDS, DeadLetter, IsolationLevel, KeyPart, KeyTemplate,
-    MAX_UNIQUE_KEY_CHARS, TableBuilder, TableDescription,
+    MAX_KIND_CHARS, MAX_UNIQUE_KEY_CHARS, TableBuilder, TableDescription, check_kind_name,
 };
 
 /// The user API, in one glob: every backend crate re-exports it at its root
@@ -134,6 +136,11 @@ pub mod api {
         DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, MAX_UNIQUE_KEY_CHARS,
         Missed, Published, Schedule, ScheduleRow, Scheduled, Tick,
     };
+    pub use crate::{
+        JobKind, KindDefaults, KindRow, MAX_KIND_CHARS, Unrecoverable, Workers, check_kind_name,
+    };
+    /// sqlx's JSON wrapper: a kinds table's jobs are published as `Json` of the kind's type.
+    pub use sqlx::types::Json;
     /// The tower traits a middleware implements: a [`Layer`] wraps a [`Service`] of jobs (see
     /// [`HandlerService`]).
     pub use tower_layer::Layer;

@@ -227,6 +227,8 @@ pub struct TableDescription {
     max_attempts: Option<u32>,
     dead_letter: Option<DeadLetter>,
     columns: Vec<(String, ColumnType)>,
+    kind: Option<String>,
+    serving: Option<Vec<String>>,
 }
 
 /// The longest unique key a job may carry, in characters: what every database's unique index
@@ -260,6 +262,7 @@ impl TableDescription {
             max_attempts: None,
             dead_letter: None,
             columns: Vec::new(),
+            kind: None,
         }
     }
 
@@ -377,6 +380,53 @@ impl TableDescription {
     pub fn columns(&self) -> &[(String, ColumnType)] {
         &self.columns
     }
+    /// The kind column of a table of many job kinds (see [`TableBuilder::kind`]).
+    pub fn kind(&self) -> Option<&str> {
+        self.kind.as_deref()
+    }
+    /// The kinds this description's claims take, when it was made for a subscription of some
+    /// kinds ([`serving_kinds`](Self::serving_kinds)); `None`: every row.
+    pub fn served_kinds(&self) -> Option<&[String]> {
+        self.serving.as_deref()
+    }
+    /// A copy of this description whose claims take only rows of these kinds: what a
+    /// subscription of registered kinds prepares, so rows of a kind no worker of the process
+    /// knows are never claimed and stay for a process that knows them.
+    ///
+    /// # Errors
+    /// [`SqlxBrokerError::Description`] for a table without a [kind column](TableBuilder::kind),
+    /// an empty list, or a kind name [`check_kind_name`] refuses.
+    pub fn serving_kinds(&self, kinds: &[&str]) -> Result<Self> {
+        let bad = |message: String| Err(SqlxBrokerError::description(&self.name, message));
+        if self.kind.is_none() {
+            return bad(
+                "has no kind column, so its claims cannot pick kinds; add .kind(\"kind\") (and a JSON payload column for the arguments)".into(),
+            );
+        }
+        if kinds.is_empty() {
+            return bad("is served for no kind; register at least one worker".into());
+        }
+        let mut served = Vec::with_capacity(kinds.len());
+        for kind in kinds {
+            check_kind_name(kind).map_err(|why| SqlxBrokerError::description(&self.name, why))?;
+            if !served.iter().any(|k: &String| k == kind) {
+                served.push((*kind).to_owned());
+            }
+        }
+        let mut out = self.clone();
+        out.serving = Some(served);
+        Ok(out)
+    }
+    /// The claim condition on the kind column for a description made with
+    /// [`serving_kinds`](Self::serving_kinds): `{column} IN ('a', 'b')`, where `column` is the
+    /// kind column as the backend's statement names it. `None` for every other description.
+    /// Kind names are checked by [`check_kind_name`], so they are literals without quotes or
+    /// backslashes in every SQL dialect.
+    pub fn kind_condition(&self, column: &str) -> Option<String> {
+        let kinds = self.serving.as_ref()?;
+        let list: Vec<String> = kinds.iter().map(|k| format!("'{k}'")).collect();
+        Some(format!("{column} IN ({})", list.join(", ")))
+    }
     /// The claim mode the description selects.
     pub fn mode(&self) -> ClaimMode {
         self.mode_columns().mode()
@@ -422,6 +472,8 @@ impl TableDescription {
         out.extend(self.columns.iter().map(|(c, _)| {
             let role = if keys.contains(&c.as_str()) {
                 "advisory key"
+            } else if self.kind.as_deref() == Some(c.as_str()) {
+                "kind"
             } else {
                 "declared"
             };
@@ -486,6 +538,7 @@ pub struct TableBuilder {
     max_attempts: Option<u32>,
     dead_letter: Option<DeadLetter>,
     columns: Vec<(String, ColumnType)>,
+    kind: Option<String>,
 }
 
 impl TableBuilder {
@@ -590,6 +643,16 @@ impl TableBuilder {
         self.dead_letter = Some(target);
         self
     }
+    /// The kind column of a table of many job kinds: text naming each row's kind, which
+    /// [`JobKind`](crate::JobKind) workers dispatch on (see docs/job-kinds.md). It is a
+    /// declared [`column`](Self::column) of type text as well, so the DDL helper creates it and
+    /// publishing writes it; pair it with a [`ColumnType::Json`] payload for the arguments.
+    pub fn kind(mut self, column: impl Into<String>) -> Self {
+        let column = column.into();
+        self.columns.push((column.clone(), ColumnType::Text));
+        self.kind = Some(column);
+        self
+    }
     /// Declares a further column (read by the key template, created by the DDL helper).
     pub fn column(mut self, column: impl Into<String>, ty: ColumnType) -> Self {
         self.columns.push((column.into(), ty));
@@ -686,6 +749,21 @@ impl TableBuilder {
             }
             (None, _) => DEFAULT_LEASE_SECONDS,
         };
+        if let Some(kind) = &self.kind {
+            match &self.payload {
+                Some((_, ColumnType::Json)) => {}
+                Some((p, ty)) => {
+                    return bad(format!(
+                        "has a kind column (\"{kind}\") and a payload column \"{p}\" of type {ty:?}; a kinds table keeps each job's arguments as JSON: make it .payload(\"{p}\", ColumnType::Json)"
+                    ));
+                }
+                None => {
+                    return bad(format!(
+                        "has a kind column (\"{kind}\") but no payload column for the jobs' arguments; add .payload(\"args\", ColumnType::Json)"
+                    ));
+                }
+            }
+        }
         if self.fifo && self.group.is_none() {
             return bad("sets fifo but no group column; add .group(\"..\") or drop fifo".into());
         }
@@ -732,8 +810,35 @@ impl TableBuilder {
             max_attempts: self.max_attempts,
             dead_letter: self.dead_letter,
             columns: self.columns,
+            kind: self.kind,
+            serving: None,
         })
     }
+}
+
+/// The longest kind name, in characters.
+pub const MAX_KIND_CHARS: usize = 100;
+
+/// Checks a job kind's name: 1 to [`MAX_KIND_CHARS`] characters of ASCII letters, digits and
+/// `_ - . : /`. The name is stored in every row of the kind and written into claim statements
+/// as a literal, so it is kept to characters every database reads the same; returns what to
+/// change otherwise.
+pub fn check_kind_name(kind: &str) -> std::result::Result<(), String> {
+    if kind.is_empty() || kind.len() > MAX_KIND_CHARS {
+        return Err(format!(
+            "kind name \"{kind}\" has {} characters; give it 1 to {MAX_KIND_CHARS}",
+            kind.chars().count()
+        ));
+    }
+    if let Some(c) = kind
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "_-.:/".contains(*c)))
+    {
+        return Err(format!(
+            "kind name \"{kind}\" holds {c:?}; use ASCII letters, digits and _ - . : / only"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

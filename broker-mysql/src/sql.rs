@@ -325,6 +325,12 @@ impl Statements {
                     .push(")"),
             );
         }
+        // A subscription of some kinds claims only rows of its kinds.
+        claimable.extend(
+            t.kind()
+                .and_then(|k| t.kind_condition(&col(k)))
+                .map(Sql::new),
+        );
         if claimable.is_empty() {
             claimable.push(Sql::new("1 = 1"));
         }
@@ -361,6 +367,9 @@ impl Statements {
                 col(n),
                 alias::SNOOZES
             ));
+        }
+        if let Some(k) = t.kind() {
+            aliases_tail.push_str(&format!(", CAST({} AS CHAR) AS {}", col(k), alias::KIND));
         }
         Self {
             table,

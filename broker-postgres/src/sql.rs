@@ -186,6 +186,8 @@ pub(crate) struct Statements {
     due: Option<String>,
     /// The snooze counter column, quoted.
     snoozes: Option<String>,
+    /// The kind column, quoted.
+    kind: Option<String>,
     /// Whether claims resume from a position (see [`Position::resumes`]).
     resumes: bool,
     /// The table's columns, quoted, in table order; empty when unknown (the table check then
@@ -216,6 +218,11 @@ impl Statements {
             let c = ident(c);
             claimable.push(format!("(q.{c} IS NULL OR q.{c} <= {})", ts("$1")));
         }
+        // A subscription of some kinds claims only rows of its kinds.
+        claimable.extend(
+            t.kind()
+                .and_then(|k| t.kind_condition(&format!("q.{}", ident(k)))),
+        );
         if t.due_at().is_none() && t.locked_until().is_none() {
             // No time condition reads the host's now, but every claim binds it as $1: keep the
             // parameter in the statement, typed, so the bind count and types still match.
@@ -250,6 +257,7 @@ impl Statements {
             payload: t.payload().map(|(p, _)| ident(p)),
             due: t.due_at().map(ident),
             snoozes: t.snoozes().map(ident),
+            kind: t.kind().map(ident),
             resumes: Position::resumes(t),
             columns: columns.iter().map(|c| ident(c)).collect(),
         }
@@ -340,6 +348,9 @@ impl Statements {
         out.push_str(&self.due_column());
         if let Some(n) = &self.snoozes {
             out.push_str(&format!(", q.{n}::int8 AS {}", alias::SNOOZES));
+        }
+        if let Some(k) = &self.kind {
+            out.push_str(&format!(", q.{k}::text AS {}", alias::KIND));
         }
         out
     }

@@ -117,6 +117,8 @@ impl Statements {
             let c = ident(c);
             claimable.push(format!("({c} IS NULL OR {c} <= ?1)"));
         }
+        // A subscription of some kinds claims only rows of its kinds.
+        claimable.extend(t.kind().and_then(|k| t.kind_condition(&ident(k))));
         if claimable.is_empty() {
             claimable.push("1 = 1".into());
         }
@@ -141,6 +143,9 @@ impl Statements {
         }
         if let Some(n) = t.snoozes() {
             aliases_tail.push_str(&format!(", {} AS {}", ident(n), alias::SNOOZES));
+        }
+        if let Some(k) = t.kind() {
+            aliases_tail.push_str(&format!(", {} AS {}", ident(k), alias::KIND));
         }
         Self {
             table,

@@ -104,6 +104,10 @@ pub mod alias {
     /// with a snooze counter column ([`TableDescription::snoozes`](crate::TableDescription::snoozes)).
     /// Optional: a claim that leaves it out reads as no counter.
     pub const SNOOZES: &str = "sqlx_broker_snoozes";
+    /// The kind column, as text, on tables of many job kinds
+    /// ([`TableDescription::kind`](crate::TableDescription::kind)):
+    /// [`KindRow`](crate::KindRow) reads it.
+    pub const KIND: &str = "sqlx_broker_kind";
 }
 
 /// A place in the claim order of a table without a priority column or FIFO groups: the due

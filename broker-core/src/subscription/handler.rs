@@ -45,12 +45,27 @@ impl<E: Into<BoxError>> IntoOutcome for Result<Outcome, E> {
 type HandlerFn<B, T> =
     dyn Fn(Job<T>, Option<JobTransaction<B>>) -> BoxFuture<'static, HandlerResult> + Send + Sync;
 
+/// What one job may take, decided per job before its handler runs: what a job kind sets in
+/// place of the subscription's timeout and the table's max attempts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// The handler's timeout, in place of [`SubscribeOptions::timeout`](super::SubscribeOptions::timeout).
+    pub(crate) timeout: Option<std::time::Duration>,
+    /// The deliveries after which the row, failing, is dead-lettered, in place of the table's.
+    pub(crate) max_attempts: Option<u32>,
+}
+
+type LimitsFn<T> = dyn Fn(&mut T) -> Limits + Send + Sync;
+
 /// The handler, boxed once so the engine's tasks can share it.
 pub(crate) struct Handler<B: Backend, T> {
     /// The boxed call: the job, and the lent transaction where the handler takes one.
     pub(super) f: Arc<HandlerFn<B, T>>,
     /// Whether the handler takes the row lock transaction.
     pub(super) lends_transaction: bool,
+    /// The limits of each job, read from its row before its handler runs (it may keep what it
+    /// read in the row for the handler); `None`: the subscription's and the table's.
+    pub(super) limits: Option<Arc<LimitsFn<T>>>,
 }
 
 impl<B: Backend, T> Clone for Handler<B, T> {
@@ -58,7 +73,51 @@ impl<B: Backend, T> Clone for Handler<B, T> {
         Self {
             f: self.f.clone(),
             lends_transaction: self.lends_transaction,
+            limits: self.limits.clone(),
         }
+    }
+}
+
+impl<B: Backend, T> Handler<B, T> {
+    /// This handler, with limits read from each job's row.
+    pub(crate) fn with_limits(
+        mut self,
+        limits: impl Fn(&mut T) -> Limits + Send + Sync + 'static,
+    ) -> Self {
+        self.limits = Some(Arc::new(limits));
+        self
+    }
+
+    /// The limits of one job (the defaults when the handler sets none).
+    pub(super) fn limits_of(&self, row: &mut T) -> Limits {
+        self.limits.as_ref().map(|f| f(row)).unwrap_or_default()
+    }
+}
+
+/// A handler error after which trying again cannot help: the row is dead-lettered at once,
+/// whatever attempts it has left, with this error as its last error where the table keeps one.
+/// A handler returns it as its error (`Err(Unrecoverable::new(..).into())`, or with `?` from a
+/// function whose error type is [`BoxError`]); job kinds return it for arguments that do not
+/// decode into the kind's type.
+#[derive(Debug)]
+pub struct Unrecoverable(pub BoxError);
+
+impl Unrecoverable {
+    /// Wraps the error that makes the job hopeless.
+    pub fn new(error: impl Into<BoxError>) -> Self {
+        Self(error.into())
+    }
+}
+
+impl std::fmt::Display for Unrecoverable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Unrecoverable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 
@@ -79,6 +138,7 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
                 Box::pin(async move { f(job).await.into_outcome() })
             }),
             lends_transaction: false,
+            limits: None,
         }
     }
 
@@ -99,6 +159,7 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
                 })
             }),
             lends_transaction: true,
+            limits: None,
         }
     }
 }
@@ -118,6 +179,7 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
                 Box::pin(async move { service.ready_then_call(job).await })
             }),
             lends_transaction: false,
+            limits: None,
         }
     }
 
@@ -138,6 +200,7 @@ impl<B: Backend, T: Send + 'static> Handler<B, T> {
                 })
             }),
             lends_transaction: true,
+            limits: None,
         }
     }
 }

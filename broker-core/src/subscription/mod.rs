@@ -31,11 +31,11 @@ use std::time::{Duration, Instant};
 use sqlx::{Database, FromRow};
 use tokio::sync::watch;
 
-pub(crate) use handler::Handler;
 pub use handler::{
     BoxError, BoxFuture, HandlerPanicked, HandlerResult, HandlerService, IntoOutcome,
-    handler_service,
+    Unrecoverable, handler_service,
 };
+pub(crate) use handler::{Handler, Limits};
 pub use options::{
     DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, MIN_POLL_INTERVAL, SubscribeOptions,
 };

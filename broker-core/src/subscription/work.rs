@@ -10,7 +10,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use tracing::Instrument;
 
 use super::deadline::{self, Ran};
-use super::handler::{CatchUnwind, Handler, HandlerPanicked, HandlerResult, panic_message};
+use super::handler::{
+    CatchUnwind, Handler, HandlerPanicked, HandlerResult, Unrecoverable, panic_message,
+};
 use super::options::SubscribeOptions;
 use super::timing::claim_backoff;
 use super::{Health, InFlight, Waiting};
@@ -144,7 +146,18 @@ where
                 .metrics
                 .started_after_due((crate::driver::clock::now_ms() - due) as f64 / 1000.0);
         }
-        let job = delivery.take_job();
+        let mut job = delivery.take_job();
+        // A job kind's limits, read from its row, in place of the subscription's and table's.
+        let limits = engine.handler.limits_of(job.payload_mut());
+        if let Some(max) = limits.max_attempts {
+            delivery.set_max_attempts(max);
+        }
+        let timeout = limits.timeout.or(options.timeout);
+        // Crashes spent the kind's attempts before this delivery (the claim checked the
+        // table's): dead-letter it without running the handler.
+        let spent = limits
+            .max_attempts
+            .is_some_and(|max| attempt > i64::from(max));
         let signal = job.cancel_signal();
         let lent = if engine.handler.lends_transaction {
             delivery.lend_transaction()
@@ -152,14 +165,20 @@ where
             None
         };
         let started = std::time::Instant::now();
-        let ran = deadline::run(
-            CatchUnwind(Started::new((engine.handler.f)(job, lent.clone()), entered)),
-            options.timeout,
-            options.cancel_grace,
-            &signal,
-        )
-        .instrument(span.clone())
-        .await;
+        let ran = if spent {
+            tracing::warn!(parent: &span, max_attempts = limits.max_attempts, "the job kind's attempts were spent before this delivery (a crash used them); dead-lettering");
+            drop((job, entered));
+            Ran::Returned(Ok(Ok(Outcome::DeadLetter)))
+        } else {
+            deadline::run(
+                CatchUnwind(Started::new((engine.handler.f)(job, lent.clone()), entered)),
+                timeout,
+                options.cancel_grace,
+                &signal,
+            )
+            .instrument(span.clone())
+            .await
+        };
         let handled = match ran {
             Ran::Returned(result) => Handled::Returned(result),
             Ran::TimedOut { reason, left } => {
@@ -257,6 +276,11 @@ where
             Some(Outcome::Retry)
         }
         Handled::Returned(Ok(Ok(outcome))) => Some(outcome),
+        Handled::Returned(Ok(Err(e))) if e.is::<Unrecoverable>() => {
+            inner.metrics.add(Counter::HandlerErrors, 1);
+            tracing::warn!(parent: &span, error = %e, "handler failed and said trying again cannot help; dead-lettering");
+            Some(Outcome::DeadLetter)
+        }
         // A panic that a handler service turned into an error, for its layers to see: still a
         // panic.
         Handled::Returned(Ok(Err(e))) if e.is::<HandlerPanicked>() => {
@@ -282,6 +306,7 @@ where
     };
     let number = engine.settlements.fetch_add(1, Ordering::Relaxed);
     let timed = InFlight::begin(&engine.health, Waiting::Settlement(number));
+    let max_attempts = delivery.max_attempts();
     let settled = if settle {
         delivery.settle(outcome).await
     } else {
@@ -296,8 +321,9 @@ where
         Ok(()) => {
             if let Some(text) = error_text {
                 // After the settlement, in a statement of its own: only failures pay for it.
-                let dead = crate::inner::attempts::retry_or_dead(&inner.table, attempt, None)
-                    == crate::driver::Action::DeadLetter;
+                let dead = outcome == Outcome::DeadLetter
+                    || crate::inner::attempts::retry_or_dead(max_attempts, attempt, None)
+                        == crate::driver::Action::DeadLetter;
                 let recorded = inner
                     .broker
                     .backend
