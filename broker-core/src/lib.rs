@@ -105,6 +105,8 @@ pub use schedule::{
     DEFAULT_MAX_LATENESS, MAX_LATENESS_CAP, MAX_SCHEDULE_NAME_CHARS, Missed, Schedule, ScheduleRow,
     Scheduled, Tick,
 };
+/// sqlx's JSON wrapper: a kinds table's jobs are published as `Json` of the kind's type.
+pub use sqlx::types::Json;
 pub use subscription::{
     BoxError, BoxFuture, DEFAULT_CANCEL_GRACE, DEFAULT_POLL_COOLDOWN, HandlerPanicked,
     HandlerResult, HandlerService, Health, IntoOutcome, MIN_POLL_INTERVAL, ShutdownReport,
@@ -137,10 +139,9 @@ pub mod api {
         Missed, Published, Schedule, ScheduleRow, Scheduled, Tick,
     };
     pub use crate::{
-        JobKind, KindDefaults, KindRow, MAX_KIND_CHARS, Unrecoverable, Workers, check_kind_name,
+        JobKind, Json, KindDefaults, KindRow, MAX_KIND_CHARS, Unrecoverable, Workers,
+        check_kind_name,
     };
-    /// sqlx's JSON wrapper: a kinds table's jobs are published as `Json` of the kind's type.
-    pub use sqlx::types::Json;
     /// The tower traits a middleware implements: a [`Layer`] wraps a [`Service`] of jobs (see
     /// [`HandlerService`]).
     pub use tower_layer::Layer;

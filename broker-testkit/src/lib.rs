@@ -164,6 +164,15 @@ macro_rules! conformance_suite {
                 the_ddl_helper_refuses_what_create_tables_refuses_with_the_same_error,
             );
         }
+        // Job kinds (cases/kinds.rs).
+        mod kinds {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                what_kinds_cannot_run_with_is_refused_with_what_to_change,
+                a_job_whose_kind_attempts_crashes_spent_is_dead_lettered_unrun,
+            );
+        }
         // Snooze (cases/snooze.rs).
         mod snooze {
             #[allow(unused_imports)]
@@ -280,6 +289,13 @@ macro_rules! conformance_suite {
                 a_snoozed_row_waits_for_its_delay,
                 snoozes_past_max_snoozes_end_in_the_dead_letters,
                 a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers,
+            );
+            // Job kinds (cases/kinds.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                many_kinds_in_one_table_run_on_their_workers,
+                a_row_of_an_unknown_kind_is_left_for_a_process_that_knows_it,
+                a_kinds_max_attempts_and_timeout_apply_to_its_jobs,
+                a_kinds_group_priority_and_unique_key_come_from_its_arguments,
             );
             // Operator signals (cases/signals.rs).
             $crate::conformance_suite!(@each $db; $mode;
