@@ -108,6 +108,9 @@ pub mod guide {
     /// `docs/handlers.md`.
     #[doc = include_str!("../../docs/handlers.md")]
     pub struct Handlers;
+    /// `docs/job-kinds.md`.
+    #[doc = include_str!("../../docs/job-kinds.md")]
+    pub struct JobKinds;
     /// `docs/timeouts-and-cancelling.md`.
     #[doc = include_str!("../../docs/timeouts-and-cancelling.md")]
     pub struct TimeoutsAndCancelling;
