@@ -284,6 +284,8 @@ pub struct Delivery<B: Backend, T> {
     /// The deliveries after which a failing row is dead-lettered: the table's, or its job
     /// kind's (see [`JobKind`](crate::JobKind)).
     max_attempts: Option<u32>,
+    /// The job's own timeout, from its row's job timeout column.
+    timeout: Option<std::time::Duration>,
 }
 
 /// Where a settled row stands in the claim order once `action` put it back: a retry moves it
@@ -447,6 +449,10 @@ where
                 snoozes: claimed.snoozes,
                 max_snoozes: None,
                 max_attempts: queue.table.max_attempts(),
+                timeout: claimed
+                    .timeout_ms
+                    .and_then(|ms| u64::try_from(ms).ok())
+                    .map(std::time::Duration::from_millis),
                 queue,
             }),
             None => {
@@ -655,6 +661,11 @@ impl<B: Backend, T> Delivery<B, T> {
     /// The deliveries after which this row, failing, is dead-lettered.
     pub(crate) fn max_attempts(&self) -> Option<u32> {
         self.max_attempts
+    }
+
+    /// The job's own timeout, where its row has one.
+    pub(crate) fn timeout(&self) -> Option<std::time::Duration> {
+        self.timeout
     }
 
     /// Lends the row lock transaction to the handler; `None` in the other modes.

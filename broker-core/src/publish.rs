@@ -71,6 +71,7 @@ pub struct NewJob<P> {
     priority: Option<i64>,
     due_ms: Option<i64>,
     unique_key: Option<String>,
+    timeout_ms: Option<i64>,
     columns: Vec<(String, Value)>,
 }
 
@@ -83,8 +84,25 @@ impl<P> NewJob<P> {
             priority: None,
             due_ms: None,
             unique_key: None,
+            timeout_ms: None,
             columns: Vec::new(),
         }
+    }
+    /// The job's own timeout (the table needs a [job timeout
+    /// column](crate::TableBuilder::job_timeout)): its deliveries run under it in place of
+    /// their kind's or the subscription's [`timeout`](crate::SubscribeOptions::timeout), to the
+    /// millisecond (at least 1 ms).
+    pub fn timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.timeout_ms = Some(
+            i64::try_from(timeout.as_millis())
+                .unwrap_or(i64::MAX)
+                .max(1),
+        );
+        self
+    }
+    /// The job's own timeout in milliseconds, if set.
+    pub fn timeout_ms(&self) -> Option<i64> {
+        self.timeout_ms
     }
     /// The unique key (the table needs a [unique key column](crate::TableBuilder::unique_key)):
     /// while an unfinished row has this key, publishing the job again inserts nothing and
@@ -157,6 +175,8 @@ pub struct PublishPlan {
     due: bool,
     extra: Vec<String>,
     unique: bool,
+    /// Whether the jobs' own timeouts are written (some job sets one).
+    timeout: bool,
     /// The host's clock when the plan was made: the due time of jobs that set none.
     now_ms: i64,
 }
@@ -188,6 +208,11 @@ impl PublishPlan {
                 return Err(unsupported(
                     "a job sets a due time, but the table has no due-time column; add .due_at(..)"
                         .into(),
+                ));
+            }
+            if job.timeout_ms.is_some() && table.job_timeout().is_none() {
+                return Err(unsupported(
+                    "a job sets its own timeout, but the table has no job timeout column; add .job_timeout(\"timeout_ms\")".into(),
                 ));
             }
             if let Some(key) = &job.unique_key {
@@ -229,6 +254,16 @@ impl PublishPlan {
             .unique_key()
             .map(|u| columns.push(u.to_owned()))
             .is_some();
+        // Written only when a job sets one and no job sets the column by hand.
+        let timeout = match table.job_timeout() {
+            Some(t)
+                if jobs.iter().any(|j| j.timeout_ms.is_some()) && !extra.iter().any(|c| c == t) =>
+            {
+                columns.push(t.to_owned());
+                true
+            }
+            _ => false,
+        };
         Ok(Self {
             columns,
             group,
@@ -236,6 +271,7 @@ impl PublishPlan {
             due,
             extra,
             unique,
+            timeout,
             now_ms: clock::now_ms(),
         })
     }
@@ -274,6 +310,9 @@ impl PublishPlan {
         }
         if self.unique {
             out.push(job.unique_key.clone().into());
+        }
+        if self.timeout {
+            out.push(job.timeout_ms.into());
         }
         out
     }

@@ -228,6 +228,7 @@ pub struct TableDescription {
     dead_letter: Option<DeadLetter>,
     columns: Vec<(String, ColumnType)>,
     kind: Option<String>,
+    job_timeout: Option<String>,
     serving: Option<Vec<String>>,
 }
 
@@ -263,6 +264,7 @@ impl TableDescription {
             dead_letter: None,
             columns: Vec::new(),
             kind: None,
+            job_timeout: None,
         }
     }
 
@@ -384,6 +386,10 @@ impl TableDescription {
     pub fn kind(&self) -> Option<&str> {
         self.kind.as_deref()
     }
+    /// The column of each job's own timeout (see [`TableBuilder::job_timeout`]).
+    pub fn job_timeout(&self) -> Option<&str> {
+        self.job_timeout.as_deref()
+    }
     /// The kinds this description's claims take, when it was made for a subscription of some
     /// kinds ([`serving_kinds`](Self::serving_kinds)); `None`: every row.
     pub fn served_kinds(&self) -> Option<&[String]> {
@@ -474,6 +480,8 @@ impl TableDescription {
                 "advisory key"
             } else if self.kind.as_deref() == Some(c.as_str()) {
                 "kind"
+            } else if self.job_timeout.as_deref() == Some(c.as_str()) {
+                "job_timeout"
             } else {
                 "declared"
             };
@@ -539,6 +547,7 @@ pub struct TableBuilder {
     dead_letter: Option<DeadLetter>,
     columns: Vec<(String, ColumnType)>,
     kind: Option<String>,
+    job_timeout: Option<String>,
 }
 
 impl TableBuilder {
@@ -651,6 +660,17 @@ impl TableBuilder {
         let column = column.into();
         self.columns.push((column.clone(), ColumnType::Text));
         self.kind = Some(column);
+        self
+    }
+    /// The column of each job's own timeout, in milliseconds (a 64-bit integer, NULL for
+    /// none): what [`NewJob::timeout`](crate::NewJob::timeout) writes, and what a delivery of
+    /// the row runs under in place of its kind's or the subscription's
+    /// [`timeout`](crate::SubscribeOptions::timeout). A declared [`column`](Self::column) as
+    /// well, so the DDL helper creates it.
+    pub fn job_timeout(mut self, column: impl Into<String>) -> Self {
+        let column = column.into();
+        self.columns.push((column.clone(), ColumnType::BigInt));
+        self.job_timeout = Some(column);
         self
     }
     /// Declares a further column (read by the key template, created by the DDL helper).
@@ -811,6 +831,7 @@ impl TableBuilder {
             dead_letter: self.dead_letter,
             columns: self.columns,
             kind: self.kind,
+            job_timeout: self.job_timeout,
             serving: None,
         })
     }

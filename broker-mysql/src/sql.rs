@@ -371,6 +371,13 @@ impl Statements {
         if let Some(k) = t.kind() {
             aliases_tail.push_str(&format!(", CAST({} AS CHAR) AS {}", col(k), alias::KIND));
         }
+        if let Some(c) = t.job_timeout() {
+            aliases_tail.push_str(&format!(
+                ", CAST({} AS SIGNED) AS {}",
+                col(c),
+                alias::TIMEOUT_MS
+            ));
+        }
         Self {
             table,
             id,

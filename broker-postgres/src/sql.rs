@@ -188,6 +188,8 @@ pub(crate) struct Statements {
     snoozes: Option<String>,
     /// The kind column, quoted.
     kind: Option<String>,
+    /// The job timeout column, quoted.
+    job_timeout: Option<String>,
     /// Whether claims resume from a position (see [`Position::resumes`]).
     resumes: bool,
     /// The table's columns, quoted, in table order; empty when unknown (the table check then
@@ -258,6 +260,7 @@ impl Statements {
             due: t.due_at().map(ident),
             snoozes: t.snoozes().map(ident),
             kind: t.kind().map(ident),
+            job_timeout: t.job_timeout().map(ident),
             resumes: Position::resumes(t),
             columns: columns.iter().map(|c| ident(c)).collect(),
         }
@@ -351,6 +354,9 @@ impl Statements {
         }
         if let Some(k) = &self.kind {
             out.push_str(&format!(", q.{k}::text AS {}", alias::KIND));
+        }
+        if let Some(c) = &self.job_timeout {
+            out.push_str(&format!(", q.{c}::int8 AS {}", alias::TIMEOUT_MS));
         }
         out
     }

@@ -147,6 +147,9 @@ impl Statements {
         if let Some(k) = t.kind() {
             aliases_tail.push_str(&format!(", {} AS {}", ident(k), alias::KIND));
         }
+        if let Some(c) = t.job_timeout() {
+            aliases_tail.push_str(&format!(", {} AS {}", ident(c), alias::TIMEOUT_MS));
+        }
         Self {
             table,
             id,

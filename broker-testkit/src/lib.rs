@@ -171,6 +171,7 @@ macro_rules! conformance_suite {
             $crate::conformance_suite!(@plain $db;
                 what_kinds_cannot_run_with_is_refused_with_what_to_change,
                 a_job_whose_kind_attempts_crashes_spent_is_dead_lettered_unrun,
+                a_job_timeout_without_its_column_is_refused_with_what_to_add,
             );
         }
         // Snooze (cases/snooze.rs).
@@ -296,6 +297,7 @@ macro_rules! conformance_suite {
                 a_row_of_an_unknown_kind_is_left_for_a_process_that_knows_it,
                 a_kinds_max_attempts_and_timeout_apply_to_its_jobs,
                 a_kinds_group_priority_and_unique_key_come_from_its_arguments,
+                a_jobs_own_timeout_applies_in_place_of_the_subscriptions,
             );
             // Operator signals (cases/signals.rs).
             $crate::conformance_suite!(@each $db; $mode;

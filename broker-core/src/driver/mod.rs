@@ -108,6 +108,10 @@ pub mod alias {
     /// ([`TableDescription::kind`](crate::TableDescription::kind)):
     /// [`KindRow`](crate::KindRow) reads it.
     pub const KIND: &str = "sqlx_broker_kind";
+    /// The job's own timeout in milliseconds, as a 64-bit integer (NULL: none), on tables with
+    /// a job timeout column ([`TableDescription::job_timeout`](crate::TableDescription::job_timeout)).
+    /// Optional: a claim that leaves it out reads as no timeout of its own.
+    pub const TIMEOUT_MS: &str = "sqlx_broker_timeout_ms";
 }
 
 /// A place in the claim order of a table without a priority column or FIFO groups: the due
@@ -178,6 +182,8 @@ pub struct ClaimedRow<DB: Database> {
     pub due_ms: Option<i64>,
     /// How many times the row was snoozed ([`alias::SNOOZES`]), where the claim read it.
     pub snoozes: Option<i64>,
+    /// The job's own timeout in milliseconds ([`alias::TIMEOUT_MS`]), where the claim read one.
+    pub timeout_ms: Option<i64>,
     /// The whole row, for the handler's `FromRow` type.
     pub row: DB::Row,
 }
@@ -198,6 +204,7 @@ where
             Err(e) => Err(e),
         };
         let due_ms = optional(alias::DUE)?;
+        let timeout_ms = optional(alias::TIMEOUT_MS)?;
         let snoozes = match row.try_column(alias::SNOOZES) {
             Ok(_) => Some(optional(alias::SNOOZES)?.unwrap_or(0)),
             Err(_) => None,
@@ -208,6 +215,7 @@ where
             key,
             due_ms,
             snoozes,
+            timeout_ms,
             row,
         })
     }

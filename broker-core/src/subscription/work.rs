@@ -152,7 +152,8 @@ where
         if let Some(max) = limits.max_attempts {
             delivery.set_max_attempts(max);
         }
-        let timeout = limits.timeout.or(options.timeout);
+        // The job's own timeout, then its kind's, then the subscription's.
+        let timeout = delivery.timeout().or(limits.timeout).or(options.timeout);
         // Crashes spent the kind's attempts before this delivery (the claim checked the
         // table's): dead-letter it without running the handler.
         let spent = limits

@@ -461,3 +461,78 @@ pub async fn a_timed_out_delivery_and_the_rows_next_delivery_never_overlap<D: Te
     }
     fx.cleanup().await;
 }
+
+/// A job's own timeout (its row's job timeout column, written by `NewJob::timeout`) applies in
+/// place of the subscription's, longer or shorter: of three rows whose handlers sleep 600 ms on
+/// their first delivery, under a subscription timeout of 300 ms, the row with its own 200 ms
+/// and the row with none time out, and the row with its own 60 s acks on its first delivery.
+pub async fn a_jobs_own_timeout_applies_in_place_of_the_subscriptions<D: TestDb>(mode: ClaimMode) {
+    let fx = Fixture::<D>::new(mode, |b| b.job_timeout("timeout_ms")).await;
+    let q = fx.queue().await;
+    let jobs = [
+        fx.job(0).timeout(Duration::from_millis(200)),
+        fx.job(1).timeout(Duration::from_secs(60)),
+        fx.job(2),
+    ];
+    let ids = q.publish_batch(&jobs).await.expect("publish");
+    let runs: Arc<Mutex<HashMap<i64, Vec<i64>>>> = Arc::default();
+    let seen = runs.clone();
+    let sub = q
+        .subscribe(
+            SubscribeOptions::new()
+                .concurrency(3)
+                .poll_interval(Duration::from_millis(100))
+                .error_backoff(Duration::ZERO, Duration::ZERO)
+                .timeout(Duration::from_millis(300))
+                .cancel_grace(Duration::from_millis(50)),
+            move |job| {
+                seen.lock()
+                    .unwrap()
+                    .entry(job.id())
+                    .or_default()
+                    .push(job.attempt());
+                async move {
+                    if job.attempt() == 1 {
+                        tokio::time::sleep(Duration::from_millis(600)).await;
+                    }
+                    Outcome::Ack
+                }
+            },
+        )
+        .expect("subscribe");
+    wait_until("three acks", Duration::from_secs(30), || {
+        let acked = sub.metrics().acked;
+        async move { acked >= 3 }
+    })
+    .await;
+    let m = sub.metrics();
+    sub.shutdown().await;
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(
+        runs[&ids[0]],
+        [1, 2],
+        "its own 200 ms timed it out: {runs:?}"
+    );
+    assert_eq!(runs[&ids[1]], [1], "its own 60 s let it finish: {runs:?}");
+    assert_eq!(
+        runs[&ids[2]],
+        [1, 2],
+        "the subscription's 300 ms timed it out: {runs:?}"
+    );
+    assert_eq!(m.timed_out, 2, "{m:?}");
+    fx.cleanup().await;
+}
+
+/// A job timeout on a table without the column is refused at publish, saying what to add.
+pub async fn a_job_timeout_without_its_column_is_refused_with_what_to_add<D: TestDb>() {
+    let fx = Fixture::<D>::new(ClaimMode::Lease, |b| b).await;
+    let q = fx.queue().await;
+    let e = q
+        .publish(fx.job(0).timeout(Duration::from_secs(1)))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(".job_timeout("), "{e}");
+    assert_eq!(q.stats().await.unwrap().due.rows, 0, "nothing published");
+    fx.cleanup().await;
+}
