@@ -291,6 +291,21 @@ macro_rules! conformance_suite {
                 snoozes_past_max_snoozes_end_in_the_dead_letters,
                 a_snoozed_fifo_head_keeps_its_group_waiting_across_brokers,
             );
+            // Operator signals across processes (cases/signals_process.rs).
+            #[test]
+            fn operator_signals_reach_a_subscription_in_another_process() {
+                const NAME: &str = concat!(module_path!(), "::operator_signals_reach_a_subscription_in_another_process");
+                $crate::__private::run_case(
+                    NAME,
+                    $crate::cases::operator_signals_reach_a_subscription_in_another_process::<$db>($crate::__private::mode(stringify!($mode)), NAME),
+                );
+            }
+            $crate::conformance_suite!(@register $db; operator_signals_reach_a_subscription_in_another_process;
+                Some(stringify!($mode)); |path| {
+                    ::std::boxed::Box::pin($crate::cases::operator_signals_reach_a_subscription_in_another_process::<$db>(
+                        $crate::__private::mode(stringify!($mode)), path,
+                    ))
+                });
             // Job kinds (cases/kinds.rs).
             $crate::conformance_suite!(@each $db; $mode;
                 many_kinds_in_one_table_run_on_their_workers,
@@ -618,6 +633,7 @@ pub mod __private {
     const LONG_CASES: &[&str] = &[
         "stress_with_random_outcomes_and_kills",
         "a_killed_worker_gives_its_rows_back",
+        "operator_signals_reach_a_subscription_in_another_process",
         "killed_connections_lose_nothing",
         "lease_settlements_survive_killed_connections_without_reruns",
         "four_brokers_on_one_schedule_publish_each_tick_once_with_one_killed_and_restarted",
