@@ -395,6 +395,33 @@ where
     /// or one twice, a bad kind name, or a kind's max attempts without a dead-letter target;
     /// what [`Broker::queue`] and [`subscribe`](Queue::subscribe) refuse.
     pub async fn work(&self, options: SubscribeOptions, workers: Workers) -> Result<Subscription> {
+        self.work_layered(options, tower_layer::Identity::new(), workers)
+            .await
+    }
+
+    /// [`work`](Self::work) with every job going through `layer` on its way to its kind's
+    /// worker: the layer wraps a [`KindsService`], a tower service of `Job<KindRow>` (so it can
+    /// read each job's [kind](KindRow::kind)) whose response is the worker's outcome, and what
+    /// the layer returns settles the row, as with
+    /// [`subscribe_layered`](Queue::subscribe_layered).
+    ///
+    /// # Errors
+    /// As [`work`](Self::work).
+    pub async fn work_layered<L>(
+        &self,
+        options: SubscribeOptions,
+        layer: L,
+        workers: Workers,
+    ) -> Result<Subscription>
+    where
+        L: tower_layer::Layer<KindsService>,
+        L::Service: tower_service::Service<Job<KindRow>, Response = crate::Outcome>
+            + Clone
+            + Send
+            + 'static,
+        <L::Service as tower_service::Service<Job<KindRow>>>::Error: Into<crate::BoxError>,
+        <L::Service as tower_service::Service<Job<KindRow>>>::Future: Send + 'static,
+    {
         let table = &self.inner.shared.table;
         workers.check(table)?;
         let served = table.serving_kinds(&workers.kinds())?;
@@ -404,28 +431,58 @@ where
         let queue = broker.queue::<KindRow>(served).await?;
         let entries = Arc::new(workers.entries);
         let limits = entries.clone();
-        let handler = crate::subscription::Handler::plain(move |job: Job<KindRow>| {
-            let run = entries.get(job.payload().kind()).map(|e| e.run.clone());
-            async move {
-                match run {
-                    Some(run) => run(job).await,
-                    // The claim takes only registered kinds; a row of another kind here means
-                    // the statements lost their kind condition: put it back untouched.
-                    None => Err(format!(
-                        "no worker for kind \"{}\" in this subscription",
-                        job.payload().kind()
-                    )
-                    .into()),
-                }
-            }
-        })
-        .with_limits(move |row: &mut KindRow| {
-            limits
-                .get(row.kind())
-                .map(|e| (e.limits)(row))
-                .unwrap_or_default()
-        });
+        let handler = crate::subscription::Handler::service(layer.layer(KindsService { entries }))
+            .with_limits(move |row: &mut KindRow| {
+                limits
+                    .get(row.kind())
+                    .map(|e| (e.limits)(row))
+                    .unwrap_or_default()
+            });
         crate::subscription::start(queue.inner.clone(), options, handler)
+    }
+}
+
+/// The tower service of a kinds subscription: it hands each job to its kind's worker (see
+/// [`Queue::work_layered`], whose layer wraps it). Always ready.
+#[derive(Clone)]
+pub struct KindsService {
+    entries: Arc<HashMap<&'static str, Entry>>,
+}
+
+impl std::fmt::Debug for KindsService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut kinds: Vec<_> = self.entries.keys().collect();
+        kinds.sort_unstable();
+        f.debug_struct("KindsService")
+            .field("kinds", &kinds)
+            .finish()
+    }
+}
+
+impl tower_service::Service<Job<KindRow>> for KindsService {
+    type Response = crate::Outcome;
+    type Error = crate::BoxError;
+    type Future = BoxFuture<'static, HandlerResult>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::result::Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, job: Job<KindRow>) -> Self::Future {
+        match self.entries.get(job.payload().kind()) {
+            Some(entry) => (entry.run)(job),
+            // The claim takes only registered kinds; a row of another kind here means the
+            // statements lost their kind condition: fail the attempt rather than guess.
+            None => {
+                let kind = job.payload().kind().to_owned();
+                Box::pin(async move {
+                    Err(format!("no worker for kind \"{kind}\" in this subscription").into())
+                })
+            }
+        }
     }
 }
 

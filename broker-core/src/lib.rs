@@ -96,7 +96,7 @@ pub use doctor::{Check, DoctorOptions, DoctorReport, Status};
 pub use driver::{Backend, Capabilities, RowState, RowTransaction};
 pub use error::{Result, SqlxBrokerError};
 pub use inner::SETTLE_FAILURE_LIMIT;
-pub use kinds::{JobKind, KindDefaults, KindRow, Workers};
+pub use kinds::{JobKind, KindDefaults, KindRow, KindsService, Workers};
 pub use metrics::MetricsSnapshot;
 pub use payload::Payload;
 pub use publish::{NewJob, Published, Value};

@@ -172,6 +172,7 @@ macro_rules! conformance_suite {
                 what_kinds_cannot_run_with_is_refused_with_what_to_change,
                 a_job_whose_kind_attempts_crashes_spent_is_dead_lettered_unrun,
                 a_job_timeout_without_its_column_is_refused_with_what_to_add,
+                a_layer_around_the_workers_sees_each_jobs_kind_and_outcome,
             );
         }
         // Snooze (cases/snooze.rs).

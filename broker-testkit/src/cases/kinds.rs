@@ -636,3 +636,104 @@ where
     assert_eq!((m.claimed, m.dead_lettered, m.acked), (1, 1, 0), "{m:?}");
     fx.cleanup().await;
 }
+
+/// A layer that records each job's kind and what came of it.
+#[derive(Clone)]
+struct KindLog(Arc<Mutex<Vec<(String, String)>>>);
+
+impl<S> broker_core::api::Layer<S> for KindLog {
+    type Service = KindLogged<S>;
+    fn layer(&self, inner: S) -> KindLogged<S> {
+        KindLogged {
+            inner,
+            log: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct KindLogged<S> {
+    inner: S,
+    log: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl<S> broker_core::api::Service<Job<KindRow>> for KindLogged<S>
+where
+    S: broker_core::api::Service<Job<KindRow>, Response = Outcome, Error = broker_core::BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = Outcome;
+    type Error = broker_core::BoxError;
+    type Future = broker_core::BoxFuture<'static, Result<Outcome, broker_core::BoxError>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, job: Job<KindRow>) -> Self::Future {
+        let kind = job.payload().kind().to_owned();
+        let end = self.inner.call(job);
+        let log = self.log.clone();
+        Box::pin(async move {
+            let result = end.await;
+            let what = match &result {
+                Ok(outcome) => format!("{outcome:?}"),
+                Err(e) => format!("error: {e}"),
+            };
+            log.lock().unwrap().push((kind, what));
+            result
+        })
+    }
+}
+
+/// A layer around a kinds subscription's workers (`work_layered`) sees every job with its
+/// kind, and the worker's outcome or error after it; the subscription settles what the layer
+/// returns.
+pub async fn a_layer_around_the_workers_sees_each_jobs_kind_and_outcome<D: TestDb>()
+where
+    KindRow: for<'r> FromRow<'r, <DbOf<D> as Database>::Row>,
+    for<'q> Json<Email>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+    for<'q> Json<Report>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+{
+    let mode = ClaimMode::Lease;
+    let fx = Fixture::<D>::build(mode, |name| kinds_table(name, mode)).await;
+    let q = kinds_queue(&fx).await;
+    q.enqueue(Email {
+        to: "a".into(),
+        n: 1,
+    })
+    .await
+    .unwrap();
+    q.enqueue(Report { n: 2, sleep_ms: 0 }).await.unwrap();
+    let log = KindLog(Arc::default());
+    let sub = q
+        .work_layered(
+            options(),
+            log.clone(),
+            Workers::new()
+                .register(|_: Job<Email>| async { Outcome::Ack })
+                .register(|_: Job<Report>| async { Err::<Outcome, _>("report down") }),
+        )
+        .await
+        .unwrap();
+    wait_until("the report's two attempts", Duration::from_secs(30), || {
+        let m = sub.metrics();
+        async move { m.acked == 1 && m.dead_lettered == 1 }
+    })
+    .await;
+    sub.shutdown().await;
+    let mut seen = log.0.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("email".to_owned(), "Ack".to_owned()),
+            ("report:v2".to_owned(), "error: report down".to_owned()),
+            ("report:v2".to_owned(), "error: report down".to_owned()),
+        ],
+    );
+    fx.cleanup().await;
+}
