@@ -167,6 +167,22 @@ impl<B: Backend> Broker<B> {
                 Err(e) => Check::fail("table and statements", e.to_string(), "see the message; the DDL helper (`ddl`) prints what the table needs"),
             });
         }
+        // The kinds in the table, where the table and its statements passed (the counts read
+        // the columns the check found).
+        let prepared = checks
+            .last()
+            .is_some_and(|c| c.name == "table and statements" && c.status == crate::Status::Pass);
+        if prepared && table.kind().is_some() {
+            let now = crate::driver::clock::now_ms();
+            checks.push(match backend.admin().stats(table, now).await {
+                Ok(counts) => crate::doctor::kinds_check(&counts.kinds, options.known_kinds()),
+                Err(e) => Check::warn(
+                    crate::doctor::KINDS_CHECK,
+                    format!("cannot count the rows by kind: {e}"),
+                    "see the message",
+                ),
+            });
+        }
         let holds =
             matches!(mode, ClaimMode::RowLock | ClaimMode::Advisory) && !caps.process_local_keys;
         checks.push(pool_check(
@@ -599,6 +615,7 @@ impl<B: Backend, T> Queue<B, T> {
                 .into_iter()
                 .filter(|s| s.queue == table.name())
                 .collect(),
+            kinds: counts.kinds,
         })
     }
 
