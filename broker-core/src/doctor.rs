@@ -143,7 +143,8 @@ pub fn kinds_check(kinds: &[crate::admin::KindStats], known: Option<&[String]>) 
     let name = |k: &crate::admin::KindStats| {
         k.kind
             .as_ref()
-            .map_or_else(|| "(no kind)".to_owned(), |k| format!("\"{k}\""))
+            // Quoted with its escapes: a kind comes from rows, which any software may write.
+            .map_or_else(|| "(no kind)".to_owned(), |k| format!("{k:?}"))
     };
     let unfinished = |k: &crate::admin::KindStats| {
         let n = k.unfinished();

@@ -120,6 +120,10 @@ enum Command {
         /// The pool size of the workers' broker (`connect` opens 16), for the pool check.
         #[arg(long, default_value_t = 16)]
         pool_size: u32,
+        /// The job kinds the deployment's workers know, comma-separated (a table with a kind
+        /// column): the doctor warns naming each kind with unfinished rows that none knows.
+        #[arg(long, value_delimiter = ',', value_name = "KIND,..")]
+        known_kinds: Option<Vec<String>>,
     },
 }
 
@@ -219,12 +223,16 @@ async fn run_on<B: Backend>(
     if let Command::Doctor {
         concurrency,
         subscriptions,
+        known_kinds,
         ..
     } = command
     {
-        let options = DoctorOptions::new()
+        let mut options = DoctorOptions::new()
             .concurrency(*concurrency)
             .subscriptions(*subscriptions);
+        if let Some(kinds) = known_kinds {
+            options = options.kinds(kinds.iter().map(|k| k.trim().to_owned()));
+        }
         let report = broker.doctor(&table, &options).await;
         broker.close().await;
         return Ok(Out::Doctor(report));
