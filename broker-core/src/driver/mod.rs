@@ -980,3 +980,62 @@ impl std::fmt::Debug for Listening {
         f.debug_struct("Listening").finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod kinds_tests {
+    use super::*;
+    use crate::{ColumnType, DeadLetter, TableDescription};
+
+    #[test]
+    fn counts_by_kind_merge_their_parts_and_the_totals_are_their_sums() {
+        let t = TableDescription::builder("jobs")
+            .payload("args", ColumnType::Json)
+            .kind("kind")
+            .locked_until("locked_until")
+            .max_attempts(2)
+            .dead_letter(DeadLetter::Table("jobs_dead".into()))
+            .build()
+            .unwrap();
+        let exact = |n| Count::exact(u64::try_from(n).unwrap());
+        let parts = vec![
+            kind_part(
+                Some("b".into()),
+                [Some(2), Some(1), Some(1), Some(0), None, Some(0)],
+                exact,
+            ),
+            kind_part(
+                Some("a".into()),
+                [Some(5), None, None, Some(1), None, Some(0)],
+                exact,
+            ),
+            // The dead-letter table's part of kind b, and of a kind only dead letters have.
+            kind_part(
+                Some("b".into()),
+                [Some(0), Some(0), Some(0), Some(0), None, Some(3)],
+                exact,
+            ),
+            kind_part(
+                Some("gone".into()),
+                [Some(0), Some(0), Some(0), Some(0), None, Some(4)],
+                exact,
+            ),
+        ];
+        let s = StatsCounts::by_kind(&t, parts, Some(7));
+        let names: Vec<_> = s.kinds.iter().map(|k| k.kind.as_deref()).collect();
+        assert_eq!(names, [Some("a"), Some("b"), Some("gone")]);
+        assert_eq!(s.kinds[1].dead, Some(Count::exact(3)));
+        assert_eq!(s.kinds[1].due, Count::exact(2));
+        assert_eq!(s.due, Count::exact(7));
+        assert_eq!(s.dead, Some(Count::exact(7)));
+        assert_eq!(s.finished, None, "acks delete on this table");
+        assert!(s.kinds.iter().all(|k| k.finished.is_none()));
+        assert_eq!(s.oldest_due_ms, Some(7));
+        // An estimate in any part makes the sum one.
+        let parts = vec![kind_part(
+            Some("a".into()),
+            [Some(1), Some(0), Some(0), Some(0), None, Some(0)],
+            |n| Count::estimate(u64::try_from(n).unwrap()),
+        )];
+        assert!(!StatsCounts::by_kind(&t, parts, None).due.exact);
+    }
+}
