@@ -911,6 +911,7 @@ impl AdminDriver for MySqlAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -987,6 +988,13 @@ impl AdminDriver for MySqlAdmin<'_> {
                 ),
             ))
             .and(&filter)
+            .and(&match (kind, t.kind()) {
+                // As bytes: a case-insensitive column would match another kind's case.
+                (Some(k), Some(c)) => Q::new(format!(" AND CAST({} AS BINARY) = CAST(", f.col("q", c)))
+                    .text(k)
+                    .push(" AS BINARY)"),
+                _ => Q::new(""),
+            })
             .push(&format!(" AND q.{} > ", f.id))
             .int(page.after.unwrap_or(i64::MIN))
             .push(&format!(" ORDER BY q.{} LIMIT ", f.id))

@@ -682,6 +682,7 @@ impl AdminDriver for PgAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -739,7 +740,7 @@ impl AdminDriver for PgAdmin<'_> {
         let sql = format!(
             "{with}SELECT q.{id}::int8, q.{a}::int8, {due_ms}, {lu}, {finished_at}, {key}, {group}, \
              left({payload}, {cap} + 1), {error}, {kind} FROM {from} AS q \
-             WHERE {filter} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
+             WHERE {filter}{of_kind} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
             id = f.id,
             a = ident(t.attempt()),
             due_ms = time(t.due_at()),
@@ -749,6 +750,10 @@ impl AdminDriver for PgAdmin<'_> {
                 .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
             group = text_of(t.group()),
             kind = text_of(t.kind()),
+            of_kind = match (kind, t.kind()) {
+                (Some(_), Some(c)) => format!(" AND {}::text = $4::text", f.col(c)),
+                _ => String::new(),
+            },
             // `substr` rather than `left`: it fetches only the slice it needs of a value
             // stored out of line, where `left` would read all of it first.
             error = t.last_error().map_or_else(
@@ -767,6 +772,10 @@ impl AdminDriver for PgAdmin<'_> {
             .bind(now_ms)
             .bind(page.after.unwrap_or(i64::MIN))
             .bind(i64::try_from(page.limit).unwrap_or(i64::MAX));
+        let q = match (kind, t.kind()) {
+            (Some(k), Some(_)) => q.bind(k.to_owned()),
+            _ => q,
+        };
         let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
             .await
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;

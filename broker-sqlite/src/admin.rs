@@ -602,6 +602,7 @@ impl AdminDriver for SqliteAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = self.frag(t);
@@ -669,6 +670,10 @@ impl AdminDriver for SqliteAdmin<'_> {
             ),
         ))
         .and(&filter)
+        .and(&match (kind, t.kind()) {
+            (Some(k), Some(c)) => Q::new(format!(" AND {} = ", ident(c))).text(k),
+            _ => Q::new(""),
+        })
         .push(&format!(" AND {} > ", f.id))
         .int(page.after.unwrap_or(i64::MIN))
         .push(&format!(" ORDER BY {} LIMIT ", f.id))

@@ -182,7 +182,7 @@ fn stats_row(
 
 /// A kinds table's counts by kind (empty for other tables). Kinds come from rows, which any
 /// software may write: each is escaped like every other value, and cut to a preview.
-fn kinds_table(s: &QueueStats) -> Markup {
+fn kinds_table(base: &str, s: &QueueStats) -> Markup {
     html! {
         @if !s.kinds.is_empty() {
             table.kinds {
@@ -195,7 +195,10 @@ fn kinds_table(s: &QueueStats) -> Markup {
                 tbody {
                     @for k in &s.kinds {
                         tr {
-                            td { @match &k.kind { Some(name) => code { (preview(name, 60)) }, None => span.muted { "(no kind)" } } }
+                            td { @match &k.kind {
+                                Some(name) => a href={(base) "?state=due&kind=" (seg(name))} title="list this kind's rows" { code { (preview(name, 60)) } },
+                                None => span.muted { "(no kind)" },
+                            } }
                             (count_cell(JobState::Due, Some(k.due), ""))
                             (count_cell(JobState::Scheduled, Some(k.scheduled), ""))
                             (count_cell(JobState::InWork, Some(k.in_work), ""))
@@ -301,6 +304,8 @@ pub(crate) struct QueueView<'a> {
     pub(crate) state: JobState,
     pub(crate) rows: Result<Vec<JobInfo>, String>,
     pub(crate) next_after: Option<i64>,
+    /// The kind the listing is limited to, if any.
+    pub(crate) kind: Option<String>,
     pub(crate) notice: Option<String>,
 }
 
@@ -311,6 +316,11 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
     let now = now_ms();
     let dead = v.state == JobState::Dead;
     let actions = dead && !ctx.read_only;
+    let of_kind = v
+        .kind
+        .as_ref()
+        .map(|k| format!("&kind={}", seg(k)))
+        .unwrap_or_default();
     layout(
         ctx,
         name,
@@ -322,15 +332,18 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                 @match &v.stats {
                     Ok(s) => {
                         table.queues { (stats_head(ctx)) tbody { (stats_row(ctx, s, v.series.as_ref(), window_min, "queue")) } }
-                        (kinds_table(s))
+                        (kinds_table(&base, s))
                     },
                     Err(e) => p.error { "cannot read the queue: " (e) },
                 }
             }
             nav.tabs {
                 @for st in states(v.table) {
-                    a href={(base) "?state=" (st.as_str())} class=[(st == v.state).then_some("current")] { (st.as_str()) }
+                    a href={(base) "?state=" (st.as_str()) (of_kind)} class=[(st == v.state).then_some("current")] { (st.as_str()) }
                 }
+            }
+            @if let Some(k) = &v.kind {
+                p.filter { "Rows of kind " code { (preview(k, 60)) } " · " a href={(base) "?state=" (v.state.as_str())} { "all kinds" } }
             }
             @match &v.rows {
                 Err(e) => p.error { (e) },
@@ -390,7 +403,7 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                             }
                         }
                         @if let Some(after) = v.next_after {
-                            p { a.next href={(base) "?state=" (v.state.as_str()) "&after=" (after)} { "Next page →" } }
+                            p { a.next href={(base) "?state=" (v.state.as_str()) (of_kind) "&after=" (after)} { "Next page →" } }
                         }
                     }
                 }
@@ -596,6 +609,7 @@ mod tests {
                 state: JobState::Due,
                 rows: Ok(vec![row(7, cut)]),
                 next_after: None,
+                kind: None,
                 notice: None,
             };
             queue(&ctx, Duration::from_secs(5), 60, &v).into_string()

@@ -128,6 +128,21 @@ async fn the_queue_page_counts_by_kind_and_lists_each_rows_kind_as_text() {
         1,
         "{page}"
     );
+    // A kind's rows alone, from the link in its row of counts; the tabs keep the kind.
+    assert!(page.contains("?state=due&amp;kind=export\""), "{page}");
+    let (status, page) = get(&app, "/queues/jobs?state=due&kind=export").await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert!(page.contains("Rows of kind <code>export</code>"), "{page}");
+    assert_eq!(page.matches("<td class=\"kind\">").count(), 1, "{page}");
+    assert!(page.contains("?state=dead&amp;kind=export\""), "{page}");
+    // The hostile kind's link is percent-encoded, its rows listed by it.
+    let (_, page) = get(
+        &app,
+        "/queues/jobs?state=due&kind=%3Cscript%3Ealert(1)%3C%2Fscript%3E%3Cb%3Ebold%3C%2Fb%3E",
+    )
+    .await;
+    assert_eq!(page.matches("<td class=\"kind\">").count(), 1, "{page}");
+    assert!(!page.contains("<script>alert"), "{page}");
     // A row's page names its kind.
     let (status, page) = get(&app, &format!("/queues/jobs/jobs/{export}")).await;
     assert_eq!(status, StatusCode::OK, "{page}");

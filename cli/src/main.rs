@@ -70,6 +70,9 @@ enum Command {
         /// Rows per page (1 to 1000).
         #[arg(long, default_value_t = 50)]
         limit: usize,
+        /// Only rows of this kind (a table with a kind column).
+        #[arg(long, value_name = "KIND")]
+        of_kind: Option<String>,
     },
     /// Dead letters: list, requeue, discard.
     Dead {
@@ -255,8 +258,12 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             state,
             after,
             limit,
+            of_kind,
         } => Out::Jobs {
-            jobs: q.jobs(*state, page(*after, *limit)).await?,
+            jobs: match of_kind {
+                Some(k) => q.jobs_of_kind(*state, k, page(*after, *limit)).await?,
+                None => q.jobs(*state, page(*after, *limit)).await?,
+            },
             limit: *limit,
         },
         Command::Dead { command } => match command {

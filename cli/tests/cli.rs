@@ -789,6 +789,9 @@ fn exercise_kinds(url: &str, name: &str) {
         2,
         "{out}"
     );
+    let out = run(&["jobs", "due", "--of-kind", "export"]);
+    assert_eq!(out.lines().count(), 3, "a header and two rows: {out}");
+    assert!(!out.contains("resize"), "{out}");
     let v: serde_json::Value = serde_json::from_str(&run(&["--json", "dead", "list"])).unwrap();
     assert_eq!(v[0]["kind"], "resize", "{v}");
     // The doctor names the kind no worker knows.

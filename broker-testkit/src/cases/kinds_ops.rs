@@ -262,6 +262,15 @@ where
         due.iter().all(|j| j.kind.as_deref() == Some("gamma")),
         "{due:?}"
     );
+    // Listings of one kind.
+    let of = |state, kind: &'static str| watcher.jobs_of_kind(state, kind, Page::first(100));
+    assert_eq!(of(JobState::Due, "gamma").await.unwrap().len(), GAMMA);
+    assert!(of(JobState::Due, "alpha").await.unwrap().is_empty());
+    assert_eq!(of(JobState::Dead, "alpha").await.unwrap(), dead);
+    assert!(of(JobState::Dead, "beta").await.unwrap().is_empty());
+    let scheduled = of(JobState::Scheduled, "alpha").await.unwrap();
+    assert_eq!(scheduled.len(), ALPHA_LATER);
+    assert!(scheduled.iter().all(|j| j.kind.as_deref() == Some("alpha")));
     let one = watcher
         .job(dead[0].id)
         .await
@@ -358,6 +367,11 @@ where
     let pq = plain.queue().await;
     plain.publish(&pq, 2).await;
     assert!(pq.stats().await.unwrap().kinds.is_empty());
+    assert!(matches!(
+        pq.jobs_of_kind(JobState::Due, "alpha", Page::first(10))
+            .await,
+        Err(broker_core::SqlxBrokerError::Refused { .. })
+    ));
     plain.cleanup().await;
     fx.cleanup().await;
 }
