@@ -32,6 +32,22 @@ impl Count {
     pub fn estimate(rows: u64) -> Self {
         Self { rows, exact: false }
     }
+
+    /// The sum of two counts, exact when both are.
+    pub fn plus(self, other: Count) -> Self {
+        Self {
+            rows: self.rows.saturating_add(other.rows),
+            exact: self.exact && other.exact,
+        }
+    }
+
+    /// The sum of two optional counts: `None` when both are.
+    fn plus_opt(a: Option<Count>, b: Option<Count>) -> Option<Count> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.plus(b)),
+            (a, b) => a.or(b),
+        }
+    }
 }
 
 impl std::fmt::Display for Count {
@@ -83,6 +99,67 @@ pub struct QueueStats {
     /// The periodic schedules registered for this queue, by name (see
     /// [`ScheduleRow::next_tick_ms`](crate::ScheduleRow::next_tick_ms) for each one's next tick).
     pub schedules: Vec<crate::ScheduleRow>,
+    /// The counts of each kind, on a table with a [kind column](crate::TableBuilder::kind),
+    /// sorted by kind (rows without a kind first); empty for other tables. Read in the same
+    /// statement as the totals, which are their sums (see [`KindStats`]).
+    pub kinds: Vec<KindStats>,
+}
+
+/// The rows of one kind, by state (see [`QueueStats::kinds`]): each row of the table (and of
+/// its dead-letter table) is in exactly one kind, so the states of every kind add up to the
+/// queue's counts.
+///
+/// In advisory mode a held key counts one delivery in work for each kind that has due rows
+/// under it (the database tells which keys are held, not which row the holder took), and the
+/// rest of those rows as due: a kind's `due + in_work` is always its due rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KindStats {
+    /// The kind, as the rows carry it; `None` for rows whose kind column is NULL (inserted by
+    /// other software).
+    pub kind: Option<String>,
+    /// Unfinished rows of this kind a claim could take now.
+    pub due: Count,
+    /// Unfinished rows of this kind due later.
+    pub scheduled: Count,
+    /// Rows of this kind a delivery holds now.
+    pub in_work: Count,
+    /// Unfinished rows of this kind whose attempt is above 1.
+    pub retrying: Count,
+    /// Dead letters of this kind; `None` without a dead-letter target.
+    pub dead: Option<Count>,
+    /// Acked rows of this kind kept; `None` when an ack deletes the row.
+    pub finished: Option<Count>,
+}
+
+impl KindStats {
+    /// No rows of `kind` yet; backends add what they counted with [`add`](Self::add).
+    pub fn new(kind: Option<String>) -> Self {
+        Self {
+            kind,
+            due: Count::exact(0),
+            scheduled: Count::exact(0),
+            in_work: Count::exact(0),
+            retrying: Count::exact(0),
+            dead: None,
+            finished: None,
+        }
+    }
+
+    /// The unfinished rows of this kind: due, scheduled and in work.
+    pub fn unfinished(&self) -> u64 {
+        self.due.rows + self.scheduled.rows + self.in_work.rows
+    }
+
+    /// Adds `other`'s counts (of the same kind, or for a total) to these.
+    pub fn add(&mut self, other: &KindStats) {
+        self.due = self.due.plus(other.due);
+        self.scheduled = self.scheduled.plus(other.scheduled);
+        self.in_work = self.in_work.plus(other.in_work);
+        self.retrying = self.retrying.plus(other.retrying);
+        self.dead = Count::plus_opt(self.dead, other.dead);
+        self.finished = Count::plus_opt(self.finished, other.finished);
+    }
 }
 
 impl QueueStats {
@@ -223,6 +300,8 @@ pub struct JobInfo {
     pub last_error: Option<String>,
     /// Whether the last error was cut.
     pub last_error_cut: bool,
+    /// The row's kind, on a table with a [kind column](crate::TableBuilder::kind).
+    pub kind: Option<String>,
 }
 
 impl JobInfo {
@@ -241,6 +320,7 @@ impl JobInfo {
             payload_cut: false,
             last_error: None,
             last_error_cut: false,
+            kind: None,
         }
     }
 
@@ -390,6 +470,7 @@ mod tests {
             read_at_ms: 4_500,
             paused: None,
             schedules: Vec::new(),
+            kinds: Vec::new(),
         };
         assert_eq!(s.lag(), Some(Duration::from_millis(3_500)));
         s.oldest_due_ms = None;

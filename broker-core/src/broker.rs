@@ -167,6 +167,22 @@ impl<B: Backend> Broker<B> {
                 Err(e) => Check::fail("table and statements", e.to_string(), "see the message; the DDL helper (`ddl`) prints what the table needs"),
             });
         }
+        // The kinds in the table, where the table and its statements passed (the counts read
+        // the columns the check found).
+        let prepared = checks
+            .last()
+            .is_some_and(|c| c.name == "table and statements" && c.status == crate::Status::Pass);
+        if prepared && table.kind().is_some() {
+            let now = crate::driver::clock::now_ms();
+            checks.push(match backend.admin().stats(table, now).await {
+                Ok(counts) => crate::doctor::kinds_check(&counts.kinds, options.known_kinds()),
+                Err(e) => Check::warn(
+                    crate::doctor::KINDS_CHECK,
+                    format!("cannot count the rows by kind: {e}"),
+                    "see the message",
+                ),
+            });
+        }
         let holds =
             matches!(mode, ClaimMode::RowLock | ClaimMode::Advisory) && !caps.process_local_keys;
         checks.push(pool_check(
@@ -599,6 +615,7 @@ impl<B: Backend, T> Queue<B, T> {
                 .into_iter()
                 .filter(|s| s.queue == table.name())
                 .collect(),
+            kinds: counts.kinds,
         })
     }
 
@@ -612,8 +629,35 @@ impl<B: Backend, T> Queue<B, T> {
     /// [`SqlxBrokerError::Refused`] for a page of 0 or more than [`Page::MAX`] rows, dead letters
     /// of a table without a dead-letter target, and finished rows of a table whose acks delete.
     pub async fn jobs(&self, state: JobState, page: Page) -> Result<Vec<JobInfo>> {
-        self.list(state, page, crate::admin::LAST_ERROR_PREVIEW_CHARS)
+        self.list(state, page, crate::admin::LAST_ERROR_PREVIEW_CHARS, None)
             .await
+    }
+
+    /// The rows of kind `kind` in `state`, as [`jobs`](Self::jobs) lists them, on a table with
+    /// a [kind column](crate::TableBuilder::kind).
+    ///
+    /// # Errors
+    /// What [`jobs`](Self::jobs) refuses, and [`SqlxBrokerError::Refused`] for a table without
+    /// a kind column.
+    pub async fn jobs_of_kind(
+        &self,
+        state: JobState,
+        kind: &str,
+        page: Page,
+    ) -> Result<Vec<JobInfo>> {
+        if self.inner.shared.table.kind().is_none() {
+            return Err(self.refused(
+                "listing rows of a kind",
+                "the table has no kind column (add .kind(\"kind\"))",
+            ));
+        }
+        self.list(
+            state,
+            page,
+            crate::admin::LAST_ERROR_PREVIEW_CHARS,
+            Some(kind),
+        )
+        .await
     }
 
     /// Row `id` as a listing shows it, with up to
@@ -639,7 +683,7 @@ impl<B: Backend, T> Queue<B, T> {
         };
         for &state in states {
             let found = self
-                .list(state, page, crate::admin::LAST_ERROR_READ_CHARS)
+                .list(state, page, crate::admin::LAST_ERROR_READ_CHARS, None)
                 .await?;
             if let Some(job) = found.into_iter().next().filter(|j| j.id == id) {
                 return Ok(Some(job));
@@ -659,7 +703,13 @@ impl<B: Backend, T> Queue<B, T> {
     }
 
     /// [`jobs`](Self::jobs) reading `error_chars` characters of each last error.
-    async fn list(&self, state: JobState, page: Page, error_chars: usize) -> Result<Vec<JobInfo>> {
+    async fn list(
+        &self,
+        state: JobState,
+        page: Page,
+        error_chars: usize,
+        kind: Option<&str>,
+    ) -> Result<Vec<JobInfo>> {
         let table = &self.inner.shared.table;
         if page.limit == 0 || page.limit > Page::MAX {
             return Err(self.refused(
@@ -690,6 +740,7 @@ impl<B: Backend, T> Queue<B, T> {
                 state,
                 page,
                 error_chars,
+                kind,
                 crate::driver::clock::now_ms(),
             )
             .await

@@ -82,6 +82,7 @@ impl Check {
 pub struct DoctorOptions {
     pub(crate) concurrency: usize,
     pub(crate) subscriptions: usize,
+    pub(crate) kinds: Option<Vec<String>>,
 }
 
 impl Default for DoctorOptions {
@@ -89,6 +90,7 @@ impl Default for DoctorOptions {
         Self {
             concurrency: 1,
             subscriptions: 1,
+            kinds: None,
         }
     }
 }
@@ -109,6 +111,87 @@ impl DoctorOptions {
     pub fn subscriptions(mut self, n: usize) -> Self {
         self.subscriptions = n;
         self
+    }
+
+    /// The kinds this deployment's workers know, together (on a table with a
+    /// [kind column](crate::TableBuilder::kind)): the doctor warns naming each kind with
+    /// unfinished rows that none of them knows, since no subscription ever claims those rows.
+    /// Without it the doctor lists the kinds it finds.
+    pub fn kinds<I, S>(mut self, kinds: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.kinds = Some(kinds.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// The kinds given to [`kinds`](Self::kinds), if any.
+    pub fn known_kinds(&self) -> Option<&[String]> {
+        self.kinds.as_deref()
+    }
+}
+
+/// The name of the doctor's check of a kinds table's kinds ([`kinds_check`]).
+pub const KINDS_CHECK: &str = "job kinds";
+
+/// The doctor's check of the kinds in a table with a kind column, from its counts by kind:
+/// with the kinds the workers know (`known`), a warning naming each kind with unfinished rows
+/// that none of them knows and how many rows (no claim takes them: they wait for a worker of
+/// their kind), a pass otherwise; without `known`, a pass listing the kinds found.
+pub fn kinds_check(kinds: &[crate::admin::KindStats], known: Option<&[String]>) -> Check {
+    let name = |k: &crate::admin::KindStats| {
+        k.kind
+            .as_ref()
+            // Quoted with its escapes: a kind comes from rows, which any software may write.
+            .map_or_else(|| "(no kind)".to_owned(), |k| format!("{k:?}"))
+    };
+    let unfinished = |k: &crate::admin::KindStats| {
+        let n = k.unfinished();
+        let exact = k.due.exact && k.scheduled.exact && k.in_work.exact;
+        if exact {
+            n.to_string()
+        } else {
+            format!("~{n}")
+        }
+    };
+    let Some(known) = known else {
+        let found: Vec<String> = kinds
+            .iter()
+            .map(|k| format!("{} ({} unfinished)", name(k), unfinished(k)))
+            .collect();
+        return Check::pass(
+            KINDS_CHECK,
+            if found.is_empty() {
+                "no rows of any kind".to_owned()
+            } else {
+                format!("kinds in the table: {}", found.join(", "))
+            },
+        );
+    };
+    let unknown: Vec<String> = kinds
+        .iter()
+        .filter(|k| k.unfinished() > 0)
+        .filter(|k| !k.kind.as_ref().is_some_and(|k| known.contains(k)))
+        .map(|k| format!("{} ({} unfinished rows)", name(k), unfinished(k)))
+        .collect();
+    if unknown.is_empty() {
+        Check::pass(
+            KINDS_CHECK,
+            format!(
+                "every kind with unfinished rows is one the workers know ({})",
+                known.join(", ")
+            ),
+        )
+    } else {
+        Check::warn(
+            KINDS_CHECK,
+            format!(
+                "no worker knows {}: no subscription claims these rows, so they wait",
+                unknown.join(", ")
+            ),
+            "register a worker for each of these kinds (Workers::register) in a running process, or cancel the rows; if they are known, list them in the doctor's kinds",
+        )
     }
 }
 
@@ -239,6 +322,32 @@ pub const WAIT: Duration = Duration::from_secs(2);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kinds_check_names_kinds_no_worker_knows() {
+        let mut a = crate::admin::KindStats::new(Some("a".into()));
+        a.due = crate::Count::exact(2);
+        let mut b = crate::admin::KindStats::new(Some("b".into()));
+        b.scheduled = crate::Count::exact(3);
+        let mut gone = crate::admin::KindStats::new(Some("gone".into()));
+        gone.dead = Some(crate::Count::exact(4));
+        let kinds = [a, b, gone];
+        let known = ["a".to_owned()];
+        let c = kinds_check(&kinds, Some(&known));
+        assert_eq!(c.status, Status::Warn);
+        assert!(c.found.contains("\"b\" (3 unfinished rows)"), "{}", c.found);
+        // Dead letters alone are no rows waiting for a worker.
+        assert!(!c.found.contains("gone"), "{}", c.found);
+        let both = ["a".to_owned(), "b".to_owned()];
+        assert_eq!(kinds_check(&kinds, Some(&both)).status, Status::Pass);
+        let listed = kinds_check(&kinds, None);
+        assert_eq!(listed.status, Status::Pass);
+        assert!(
+            listed.found.contains("\"gone\" (0 unfinished)"),
+            "{}",
+            listed.found
+        );
+    }
 
     #[test]
     fn a_clock_half_a_lease_off_fails_and_a_second_off_warns() {

@@ -85,7 +85,7 @@ mod subscription;
 mod table;
 mod warnings;
 
-pub use admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats};
+pub use admin::{Count, DeadLetters, JobInfo, JobState, KindStats, Page, Pause, QueueStats};
 #[cfg(feature = "metrics")]
 pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
@@ -123,6 +123,8 @@ pub use table::{
 pub mod api {
     #[cfg(feature = "metrics")]
     pub use crate::DepthExport;
+    /// The counts of one kind in [`QueueStats::kinds`].
+    pub use crate::KindStats;
     pub use crate::{
         BoxError, Broker, CancelReason, CancelSignal, Check, ClaimMode, ColumnType, Count,
         DEFAULT_CANCEL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_POLL_COOLDOWN, DeadLetter,

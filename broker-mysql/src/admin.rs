@@ -699,9 +699,16 @@ fn stats_by_row(t: &TableDescription, now_ms: i64, join: &str) -> Q {
     // that moves there meanwhile is counted once.
     let dead = match (f.dead_column(), f.dead_table()) {
         (Some(c), _) => count_if(&Q::new(format!("{} IS NOT NULL", f.col("q", c)))),
+        // A kinds table counts its dead-letter table by kind (see `by_kind`).
+        (None, Some(_)) if t.kind().is_some() => Q::new("0"),
         (None, Some(d)) => Q::new(format!("(SELECT COUNT(*) FROM {d})")),
         (None, None) => Q::new("CAST(NULL AS SIGNED)"),
     };
+    let kind = t
+        .kind()
+        .map(|k| format!("CAST({} AS BINARY)", f.col("q", k)))
+        .unwrap_or_default();
+    let (kind_col, grouped) = by_kind(t, &kind);
     Q::new("SELECT ")
         .and(&count_if(&free_due))
         .push(", ")
@@ -720,9 +727,27 @@ fn stats_by_row(t: &TableDescription, now_ms: i64, join: &str) -> Q {
         .push(", CAST(MIN(CASE WHEN ")
         .and(&free_due)
         .push(&format!(
-            " THEN {due_ms} END) AS SIGNED) FROM {} AS q{join}",
+            " THEN {due_ms} END) AS SIGNED){kind_col} FROM {} AS q{join}{grouped}",
             f.table
         ))
+}
+
+/// On a kinds table, the kind column of a stats statement, `kind` (the kind as bytes, so kinds
+/// are told apart whatever the column's collation), and its grouping followed by the
+/// dead-letter table's counts by kind in the same statement; empty texts otherwise.
+fn by_kind(t: &TableDescription, kind: &str) -> (String, String) {
+    let Some(k) = t.kind() else {
+        return (String::new(), String::new());
+    };
+    let mut grouped = format!(" GROUP BY {kind}");
+    if let Some(DeadLetter::Table(d)) = t.dead_letter() {
+        grouped.push_str(&broker_core::driver::dead_by_kind(
+            &ident(d),
+            &format!("CAST({} AS BINARY)", ident(k)),
+            "CAST(NULL AS SIGNED)",
+        ));
+    }
+    (format!(", {kind}"), grouped)
 }
 
 /// The counts of an advisory table, in one statement: the rows grouped by key (as bytes, the
@@ -750,6 +775,10 @@ fn stats_by_key(t: &TableDescription, key: &KeyTemplate, now_ms: i64) -> Q {
             .push(&format!(" THEN {} END", read_ms(&f.col("q", d)))),
         None => Q::new("NULL"),
     };
+    let kd = t
+        .kind()
+        .map(|k| format!(", CAST({} AS BINARY) AS kd", f.col("q", k)))
+        .unwrap_or_default();
     let rows = Q::new(format!("SELECT CAST({} AS BINARY) AS k, ", f.key(key, "q")))
         .and(&flag(&due_rows))
         .push(" AS d, ")
@@ -765,31 +794,42 @@ fn stats_by_key(t: &TableDescription, key: &KeyTemplate, now_ms: i64) -> Q {
         .and(&marked)
         .push(" AS m, ")
         .and(&due_ms)
-        .push(&format!(" AS ms FROM {} AS q", f.table));
+        .push(&format!(" AS ms{kd} FROM {} AS q", f.table));
+    // A kinds table groups by key and kind: a held key counts in work once in each kind with
+    // due rows under it (see `KindStats`).
     let keys = Q::new(format!(
         "SELECT SUM(x.d) AS d, SUM(x.l) AS l, SUM(x.r) AS r, SUM(x.f) AS f, SUM(x.m) AS m, \
-         MIN(x.ms) AS ms, CASE WHEN SUM(x.d) > 0 THEN IS_USED_LOCK({}) IS NOT NULL ELSE 0 END AS h \
+         MIN(x.ms) AS ms, CASE WHEN SUM(x.d) > 0 THEN IS_USED_LOCK({}) IS NOT NULL ELSE 0 END AS h{} \
          FROM (",
-        lock_name_sql("CONVERT(x.k USING utf8mb4)")
+        lock_name_sql("CONVERT(x.k USING utf8mb4)"),
+        if t.kind().is_some() { ", x.kd AS kd" } else { "" },
     ))
     .and(&rows)
-    .push(") AS x GROUP BY x.k");
+    .push(if t.kind().is_some() {
+        ") AS x GROUP BY x.k, x.kd"
+    } else {
+        ") AS x GROUP BY x.k"
+    });
     let finished = match t.processed_at() {
         Some(_) => "CAST(SUM(g.f) AS SIGNED)".to_owned(),
         None => "CAST(NULL AS SIGNED)".to_owned(),
     };
     let dead = match (f.dead_column(), f.dead_table()) {
         (Some(_), _) => "CAST(SUM(g.m) AS SIGNED)".to_owned(),
+        (None, Some(_)) if t.kind().is_some() => "0".to_owned(),
         (None, Some(d)) => format!("(SELECT COUNT(*) FROM {d})"),
         (None, None) => "CAST(NULL AS SIGNED)".to_owned(),
     };
+    // The derived table's kind is bytes already.
+    let (kind_col, grouped) = by_kind(t, "g.kd");
     Q::new(format!(
         "SELECT CAST(SUM(g.d) - SUM(g.h) AS SIGNED), CAST(SUM(g.l) AS SIGNED), \
          CAST(SUM(g.h) AS SIGNED), CAST(SUM(g.r) AS SIGNED), {finished}, {dead}, \
-         CAST(MIN(CASE WHEN g.h = 0 THEN g.ms END) AS SIGNED) FROM ("
+         CAST(MIN(CASE WHEN g.h = 0 THEN g.ms END) AS SIGNED){kind_col} FROM ("
     ))
     .and(&keys)
     .push(") AS g")
+    .push(&grouped)
 }
 
 /// The control table's DDL (see [`CONTROL_TABLE`]). The queue is the table's name, compared as
@@ -820,6 +860,29 @@ impl AdminDriver for MySqlAdmin<'_> {
                     .await?
             }
         };
+        if t.kind().is_some() {
+            let mut parts = Vec::with_capacity(rows.len());
+            let mut oldest: Option<i64> = None;
+            for row in &rows {
+                let get = |i: usize| -> Result<Option<i64>> {
+                    row.try_get::<Option<i64>, _>(i)
+                        .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+                };
+                let kind: Option<Vec<u8>> = row
+                    .try_get(7)
+                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+                let kind = kind.map(|k| String::from_utf8_lossy(&k).into_owned());
+                let counts = [get(0)?, get(1)?, get(2)?, get(3)?, get(4)?, get(5)?];
+                parts.push(broker_core::driver::kind_part(kind, counts, |n| {
+                    Count::exact(u64::try_from(n).unwrap_or(0))
+                }));
+                oldest = match (oldest, get(6)?) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            return Ok(StatsCounts::by_kind(t, parts, oldest));
+        }
         let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
             table: t.name().to_owned(),
             statement: "stats",
@@ -838,6 +901,7 @@ impl AdminDriver for MySqlAdmin<'_> {
             finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
             dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
             oldest_due_ms: get(6)?,
+            kinds: Vec::new(),
         })
     }
 
@@ -847,6 +911,7 @@ impl AdminDriver for MySqlAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -903,7 +968,7 @@ impl AdminDriver for MySqlAdmin<'_> {
             };
             Q::new(format!(
                 "SELECT CAST(q.{id} AS SIGNED), CAST({a} AS SIGNED), {due_ms}, {lu}, {finished_at}, \
-                 {key}, {group}, {payload}, {error} FROM {from} AS q{join} WHERE ",
+                 {key}, {group}, {payload}, {error}, {kind} FROM {from} AS q{join} WHERE ",
                 id = f.id,
                 a = f.col("q", t.attempt()),
                 due_ms = time(t.due_at()),
@@ -912,6 +977,7 @@ impl AdminDriver for MySqlAdmin<'_> {
                     .advisory_lock()
                     .map_or_else(|| "CAST(NULL AS CHAR)".into(), |k| f.key(k, "q")),
                 group = text_of(t.group()),
+                kind = text_of(t.kind()),
                 error = t.last_error().map_or_else(
                     || "CAST(NULL AS CHAR)".into(),
                     |c| format!(
@@ -922,6 +988,13 @@ impl AdminDriver for MySqlAdmin<'_> {
                 ),
             ))
             .and(&filter)
+            .and(&match (kind, t.kind()) {
+                // As bytes: a case-insensitive column would match another kind's case.
+                (Some(k), Some(c)) => Q::new(format!(" AND CAST({} AS BINARY) = CAST(", f.col("q", c)))
+                    .text(k)
+                    .push(" AS BINARY)"),
+                _ => Q::new(""),
+            })
             .push(&format!(" AND q.{} > ", f.id))
             .int(page.after.unwrap_or(i64::MIN))
             .push(&format!(" ORDER BY q.{} LIMIT ", f.id))
@@ -937,6 +1010,7 @@ impl AdminDriver for MySqlAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
+                info.kind = r.try_get(9)?;
                 Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()

@@ -283,8 +283,9 @@ impl PgAdmin<'_> {
         // row that moves there meanwhile is counted once.
         let dead = match (f.dead_column(), f.dead_table()) {
             (Some(c), _) => format!("count(*) FILTER (WHERE {c} IS NOT NULL)"),
-            // A sample reads the dead-letter table apart (see `stats`).
-            (None, Some(_)) if sample.is_some() => "NULL::int8".into(),
+            // A sample reads the dead-letter table apart (see `stats`), and a kinds table
+            // counts it by kind below.
+            (None, Some(_)) if sample.is_some() || t.kind().is_some() => "NULL::int8".into(),
             (None, Some(d)) => format!("(SELECT count(*) FROM {d})"),
             (None, None) => "NULL::int8".into(),
         };
@@ -292,11 +293,25 @@ impl PgAdmin<'_> {
             Some(_) => " TABLESAMPLE SYSTEM ($2::float8)",
             None => "",
         };
+        // A kinds table: one row per kind (and per kind of its dead-letter table, in the same
+        // statement), so every row counts once, in its kind.
+        let kind = t.kind().map(|k| format!("{}::text", f.col(k)));
+        let (kind_col, grouped) = match &kind {
+            Some(k) => (format!(", {k}"), format!(" GROUP BY {k}")),
+            None => (String::new(), String::new()),
+        };
+        let dead_kinds = match (&kind, f.dead_table(), sample) {
+            (Some(_), Some(d), None) => {
+                let k = format!("{}::text", ident(t.kind().unwrap_or_default()));
+                broker_core::driver::dead_by_kind(&d, &k, "NULL::int8")
+            }
+            _ => String::new(),
+        };
         let sql = format!(
             "{with}SELECT ({due_count})::int8, ({scheduled})::int8, ({in_work})::int8, \
              (count(*) FILTER (WHERE {unf} AND q.{a} > 1))::int8, ({finished})::int8, ({dead})::int8, \
-             (min({due_ms}) FILTER (WHERE {unf} AND {due} AND NOT {held}))::int8 \
-             FROM {table} AS q{sampled}",
+             (min({due_ms}) FILTER (WHERE {unf} AND {due} AND NOT {held}))::int8{kind_col} \
+             FROM {table} AS q{sampled}{grouped}{dead_kinds}",
             a = ident(t.attempt()),
             table = f.table,
             with = f.held_locks(),
@@ -306,23 +321,36 @@ impl PgAdmin<'_> {
             Some(percent) => q.bind(percent),
             None => q,
         };
+        let count = |v: Option<i64>| scaled(v.unwrap_or(0), sample);
+        if kind.is_some() {
+            let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+                .await
+                .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+            let mut parts = Vec::with_capacity(rows.len());
+            let mut oldest: Option<i64> = None;
+            for row in &rows {
+                let get = |i: usize| -> Result<Option<i64>> {
+                    row.try_get::<Option<i64>, _>(i)
+                        .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+                };
+                let kind: Option<String> = row
+                    .try_get(7)
+                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+                let counts = [get(0)?, get(1)?, get(2)?, get(3)?, get(4)?, get(5)?];
+                parts.push(broker_core::driver::kind_part(kind, counts, |n| {
+                    scaled(n, sample)
+                }));
+                oldest = match (oldest, get(6)?) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            return Ok(StatsCounts::by_kind(t, parts, oldest));
+        }
         let row = self.fetch_one(t, "stats", q).await?;
         let get = |i: usize| -> Result<Option<i64>> {
             row.try_get::<Option<i64>, _>(i)
                 .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
-        };
-        let count = |v: Option<i64>| {
-            let n = u64::try_from(v.unwrap_or(0)).unwrap_or(0);
-            match sample {
-                // Rounded to whole rows; an estimate on a table of millions.
-                #[allow(
-                    clippy::cast_precision_loss,
-                    clippy::cast_possible_truncation,
-                    clippy::cast_sign_loss
-                )]
-                Some(percent) => Count::estimate((n as f64 * 100.0 / percent).round() as u64),
-                None => Count::exact(n),
-            }
         };
         Ok(StatsCounts {
             due: count(get(0)?),
@@ -338,7 +366,43 @@ impl PgAdmin<'_> {
                 .map(|_| ())
                 .and(get(5)?.map(|v| count(Some(v)))),
             oldest_due_ms: get(6)?,
+            kinds: Vec::new(),
         })
+    }
+
+    /// A kinds table's dead letters by kind, from its dead-letter table `d`: counted, or
+    /// (`sample`: a percentage of its pages) from a sample scaled to the table.
+    async fn dead_kinds(
+        &self,
+        t: &TableDescription,
+        d: &str,
+        sample: Option<f64>,
+    ) -> Result<Vec<broker_core::KindStats>> {
+        let k = ident(t.kind().unwrap_or_default());
+        let sampled = if sample.is_some() {
+            " TABLESAMPLE SYSTEM ($1::float8)"
+        } else {
+            ""
+        };
+        let q = self.query(format!(
+            "SELECT count(*)::int8, {k}::text FROM {d}{sampled} GROUP BY {k}::text"
+        ));
+        let q = match sample {
+            Some(percent) => q.bind(percent),
+            None => q,
+        };
+        let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+        rows.iter()
+            .map(|r| -> std::result::Result<_, sqlx::Error> {
+                let n: i64 = r.try_get(0)?;
+                let mut part = broker_core::KindStats::new(r.try_get(1)?);
+                part.dead = Some(scaled(n, sample));
+                Ok(part)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
     }
 
     async fn fetch_one(
@@ -538,6 +602,21 @@ fn notifying(change: &str, first: usize) -> String {
     )
 }
 
+/// `n` rows counted, or counted in a sample of `sample` percent of the table (scaled to it,
+/// rounded to whole rows, an estimate).
+fn scaled(n: i64, sample: Option<f64>) -> Count {
+    let n = u64::try_from(n).unwrap_or(0);
+    match sample {
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss
+        )]
+        Some(percent) => Count::estimate((n as f64 * 100.0 / percent).round() as u64),
+        None => Count::exact(n),
+    }
+}
+
 /// The control table's DDL (see [`CONTROL_TABLE`]).
 pub(crate) fn control_ddl() -> String {
     format!(
@@ -570,6 +649,17 @@ impl AdminDriver for PgAdmin<'_> {
         let percent = (exact_rows as f64 * 100.0 / planned as f64).clamp(0.001, 100.0);
         let mut counts = self.counted(t, now_ms, Some(percent)).await?;
         counts.oldest_due_ms = self.oldest_due(t, now_ms).await?;
+        if let (Some(d), Some(_)) = (Frag::new(t).dead_table(), t.kind()) {
+            // By kind: counted up to as many rows as the table's sample, sampled past that.
+            let planned_dead = self.planned_rows(t, &d).await?;
+            #[allow(clippy::cast_precision_loss)]
+            let sample = (planned_dead > exact_rows)
+                .then(|| (exact_rows as f64 * 100.0 / planned_dead as f64).clamp(0.001, 100.0));
+            let mut parts = std::mem::take(&mut counts.kinds);
+            parts.extend(self.dead_kinds(t, &d, sample).await?);
+            let oldest = counts.oldest_due_ms;
+            return Ok(StatsCounts::by_kind(t, parts, oldest));
+        }
         if let Some(d) = Frag::new(t).dead_table() {
             let planned_dead = self.planned_rows(t, &d).await?;
             counts.dead = Some(if planned_dead <= exact_rows {
@@ -592,6 +682,7 @@ impl AdminDriver for PgAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = Frag::new(t);
@@ -648,8 +739,8 @@ impl AdminDriver for PgAdmin<'_> {
         };
         let sql = format!(
             "{with}SELECT q.{id}::int8, q.{a}::int8, {due_ms}, {lu}, {finished_at}, {key}, {group}, \
-             left({payload}, {cap} + 1), {error} FROM {from} AS q \
-             WHERE {filter} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
+             left({payload}, {cap} + 1), {error}, {kind} FROM {from} AS q \
+             WHERE {filter}{of_kind} AND q.{id} > $2::int8 ORDER BY q.{id} LIMIT $3::int8",
             id = f.id,
             a = ident(t.attempt()),
             due_ms = time(t.due_at()),
@@ -658,6 +749,11 @@ impl AdminDriver for PgAdmin<'_> {
                 .advisory_lock()
                 .map_or_else(|| "NULL::text".into(), |k| f.key(k)),
             group = text_of(t.group()),
+            kind = text_of(t.kind()),
+            of_kind = match (kind, t.kind()) {
+                (Some(_), Some(c)) => format!(" AND {}::text = $4::text", f.col(c)),
+                _ => String::new(),
+            },
             // `substr` rather than `left`: it fetches only the slice it needs of a value
             // stored out of line, where `left` would read all of it first.
             error = t.last_error().map_or_else(
@@ -676,6 +772,10 @@ impl AdminDriver for PgAdmin<'_> {
             .bind(now_ms)
             .bind(page.after.unwrap_or(i64::MIN))
             .bind(i64::try_from(page.limit).unwrap_or(i64::MAX));
+        let q = match (kind, t.kind()) {
+            (Some(k), Some(_)) => q.bind(k.to_owned()),
+            _ => q,
+        };
         let rows = crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
             .await
             .map_err(|e| SqlxBrokerError::statement(t.name(), "list", e))?;
@@ -688,6 +788,7 @@ impl AdminDriver for PgAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
+                info.kind = r.try_get(9)?;
                 Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()

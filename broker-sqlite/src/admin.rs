@@ -519,9 +519,13 @@ impl AdminDriver for SqliteAdmin<'_> {
         // row that moves there meanwhile is counted once.
         let dead = match (f.dead_column(), f.dead_table()) {
             (Some(c), _) => count_if(&Q::new(format!("{} IS NOT NULL", ident(c)))),
+            // A kinds table counts its dead-letter table by kind in the same statement.
+            (None, Some(_)) if t.kind().is_some() => Q::new("0"),
             (None, Some(d)) => Q::new(format!("(SELECT count(*) FROM {d})")),
             (None, None) => Q::new("NULL"),
         };
+        let kind = t.kind().map(|k| format!("CAST({} AS TEXT)", ident(k)));
+        let kind_col = kind.as_ref().map(|k| format!(", {k}")).unwrap_or_default();
         let sql = Q::new("SELECT ")
             .and(&due_count)
             .push(", ")
@@ -539,7 +543,36 @@ impl AdminDriver for SqliteAdmin<'_> {
             .and(&dead)
             .push(", min(CASE WHEN ")
             .and(&free_due)
-            .push(&format!(" THEN {due_ms} END) FROM {}", f.table));
+            .push(&format!(" THEN {due_ms} END){kind_col} FROM {}", f.table));
+        if let Some(kind) = kind {
+            // One row per kind, then the dead-letter table's per kind: one statement, one
+            // snapshot, every row counted once and in one kind.
+            let mut sql = sql.push(&format!(" GROUP BY {kind}"));
+            if let Some(d) = f.dead_table() {
+                sql = sql.push(&broker_core::driver::dead_by_kind(&d, &kind, "NULL"));
+            }
+            let rows = self.fetch_all(t.name(), "stats", sql).await?;
+            let mut parts = Vec::with_capacity(rows.len());
+            let mut oldest: Option<i64> = None;
+            for row in &rows {
+                let get = |i: usize| -> Result<Option<i64>> {
+                    row.try_get::<Option<i64>, _>(i)
+                        .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))
+                };
+                let kind: Option<String> = row
+                    .try_get(7)
+                    .map_err(|e| SqlxBrokerError::statement(t.name(), "stats", e))?;
+                let counts = [get(0)?, get(1)?, get(2)?, get(3)?, get(4)?, get(5)?];
+                parts.push(broker_core::driver::kind_part(kind, counts, |n| {
+                    Count::exact(u64::try_from(n).unwrap_or(0))
+                }));
+                oldest = match (oldest, get(6)?) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            return Ok(StatsCounts::by_kind(t, parts, oldest));
+        }
         let rows = self.fetch_all(t.name(), "stats", sql).await?;
         let row = rows.first().ok_or_else(|| SqlxBrokerError::Invariant {
             table: t.name().to_owned(),
@@ -559,6 +592,7 @@ impl AdminDriver for SqliteAdmin<'_> {
             finished: t.processed_at().map(|_| ()).and(Some(count(get(4)?))),
             dead: t.dead_letter().map(|_| ()).and(Some(count(get(5)?))),
             oldest_due_ms: get(6)?,
+            kinds: Vec::new(),
         })
     }
 
@@ -568,6 +602,7 @@ impl AdminDriver for SqliteAdmin<'_> {
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> Result<Vec<JobInfo>> {
         let f = self.frag(t);
@@ -614,9 +649,10 @@ impl AdminDriver for SqliteAdmin<'_> {
                 .unwrap_or_else(|| "NULL".into())
         };
         let sql = Q::new(format!(
-            "SELECT {id}, {a}, {due_ms}, {lu}, {finished_at}, {key}, {group}, {payload}, {error} \
-             FROM {from} WHERE ",
+            "SELECT {id}, {a}, {due_ms}, {lu}, {finished_at}, {key}, {group}, {payload}, {error}, \
+             {kind} FROM {from} WHERE ",
             id = f.id,
+            kind = text_of(t.kind()),
             a = ident(t.attempt()),
             due_ms = time(t.due_at()),
             lu = time(t.locked_until()),
@@ -634,6 +670,10 @@ impl AdminDriver for SqliteAdmin<'_> {
             ),
         ))
         .and(&filter)
+        .and(&match (kind, t.kind()) {
+            (Some(k), Some(c)) => Q::new(format!(" AND {} = ", ident(c))).text(k),
+            _ => Q::new(""),
+        })
         .push(&format!(" AND {} > ", f.id))
         .int(page.after.unwrap_or(i64::MIN))
         .push(&format!(" ORDER BY {} LIMIT ", f.id))
@@ -648,6 +688,7 @@ impl AdminDriver for SqliteAdmin<'_> {
                 info.finished_ms = r.try_get(4)?;
                 info.key = r.try_get(5)?;
                 info.group = r.try_get(6)?;
+                info.kind = r.try_get(9)?;
                 Ok(info.with_last_error(r.try_get(8)?, error_chars))
             })
             .collect::<std::result::Result<_, _>>()

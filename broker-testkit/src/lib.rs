@@ -175,6 +175,15 @@ macro_rules! conformance_suite {
                 a_layer_around_the_workers_sees_each_jobs_kind_and_outcome,
             );
         }
+        // Job kinds in stats, listings and the doctor (cases/kinds_ops.rs).
+        mod kinds_ops {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@plain $db;
+                the_doctor_names_kinds_no_worker_knows,
+            );
+            $( $crate::conformance_suite!(@kinds_ops $db; $mode); )+
+        }
         // Snooze (cases/snooze.rs).
         mod snooze {
             #[allow(unused_imports)]
@@ -344,6 +353,16 @@ macro_rules! conformance_suite {
                 a_hung_handler_is_signalled_then_dropped_after_the_grace_and_retried,
                 a_handler_that_watches_its_cancel_signal_returns_early_and_still_timed_out,
                 a_timed_out_delivery_and_the_rows_next_delivery_never_overlap,
+            );
+        }
+    };
+    // Job kinds in stats and listings, in each mode (cases/kinds_ops.rs).
+    (@kinds_ops $db:ty; $mode:ident) => {
+        mod $mode {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_suite!(@each $db; $mode;
+                counts_by_kind_add_up_while_subscriptions_drain,
             );
         }
     };

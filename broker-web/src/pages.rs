@@ -180,6 +180,39 @@ fn stats_row(
     }
 }
 
+/// A kinds table's counts by kind (empty for other tables). Kinds come from rows, which any
+/// software may write: each is escaped like every other value, and cut to a preview.
+fn kinds_table(base: &str, s: &QueueStats) -> Markup {
+    html! {
+        @if !s.kinds.is_empty() {
+            table.kinds {
+                caption { "By kind" }
+                thead { tr {
+                    th { "Kind" }
+                    th.num { "Due" } th.num { "Scheduled" } th.num { "In work" } th.num { "Retrying" }
+                    th.num { "Dead" } th.num { "Finished" }
+                } }
+                tbody {
+                    @for k in &s.kinds {
+                        tr {
+                            td { @match &k.kind {
+                                Some(name) => a href={(base) "?state=due&kind=" (seg(name))} title="list this kind's rows" { code { (preview(name, 60)) } },
+                                None => span.muted { "(no kind)" },
+                            } }
+                            (count_cell(JobState::Due, Some(k.due), ""))
+                            (count_cell(JobState::Scheduled, Some(k.scheduled), ""))
+                            (count_cell(JobState::InWork, Some(k.in_work), ""))
+                            (count_cell(JobState::Retrying, Some(k.retrying), ""))
+                            (count_cell(JobState::Dead, k.dead, "the table has no dead-letter target"))
+                            (count_cell(JobState::Finished, k.finished, "acks delete rows on this table"))
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// One queue as the queues page lists it: its counts, or the error reading them.
 pub(crate) struct Listed {
     pub(crate) name: String,
@@ -271,6 +304,8 @@ pub(crate) struct QueueView<'a> {
     pub(crate) state: JobState,
     pub(crate) rows: Result<Vec<JobInfo>, String>,
     pub(crate) next_after: Option<i64>,
+    /// The kind the listing is limited to, if any.
+    pub(crate) kind: Option<String>,
     pub(crate) notice: Option<String>,
 }
 
@@ -281,6 +316,11 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
     let now = now_ms();
     let dead = v.state == JobState::Dead;
     let actions = dead && !ctx.read_only;
+    let of_kind = v
+        .kind
+        .as_ref()
+        .map(|k| format!("&kind={}", seg(k)))
+        .unwrap_or_default();
     layout(
         ctx,
         name,
@@ -290,14 +330,20 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
             @if let Some(n) = &v.notice { p.notice role="status" { (n) } }
             div #live {
                 @match &v.stats {
-                    Ok(s) => table.queues { (stats_head(ctx)) tbody { (stats_row(ctx, s, v.series.as_ref(), window_min, "queue")) } },
+                    Ok(s) => {
+                        table.queues { (stats_head(ctx)) tbody { (stats_row(ctx, s, v.series.as_ref(), window_min, "queue")) } }
+                        (kinds_table(&base, s))
+                    },
                     Err(e) => p.error { "cannot read the queue: " (e) },
                 }
             }
             nav.tabs {
                 @for st in states(v.table) {
-                    a href={(base) "?state=" (st.as_str())} class=[(st == v.state).then_some("current")] { (st.as_str()) }
+                    a href={(base) "?state=" (st.as_str()) (of_kind)} class=[(st == v.state).then_some("current")] { (st.as_str()) }
                 }
+            }
+            @if let Some(k) = &v.kind {
+                p.filter { "Rows of kind " code { (preview(k, 60)) } " · " a href={(base) "?state=" (v.state.as_str())} { "all kinds" } }
             }
             @match &v.rows {
                 Err(e) => p.error { (e) },
@@ -309,7 +355,9 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                             table.rows {
                                 thead { tr {
                                     @if actions { th { span.sr { "select" } } }
-                                    th.num { "Id" } th.num { "Attempt" } th { "Due" }
+                                    th.num { "Id" } th.num { "Attempt" }
+                                    @if v.table.kind().is_some() { th { "Kind" } }
+                                    th { "Due" }
                                     @if v.state == JobState::InWork { th { "Lease until" } }
                                     @if dead || v.state == JobState::Finished { th { (if dead { "Dead since" } else { "Finished" }) } }
                                     @if v.table.last_error().is_some() { th { "Last error" } }
@@ -321,6 +369,7 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                                             @if actions { td { input type="checkbox" name="id" value=(r.id) aria-label={"select row " (r.id)}; } }
                                             td.num { a href={(base) "/jobs/" (r.id)} { (r.id) } }
                                             td.num { (r.attempt) }
+                                            @if v.table.kind().is_some() { td.kind { @if let Some(k) = &r.kind { code { (preview(k, 60)) } } } }
                                             td { (time(r.due_ms, now)) }
                                             @if v.state == JobState::InWork { td { (time(r.locked_until_ms, now)) } }
                                             @if dead || v.state == JobState::Finished { td { (time(r.finished_ms, now)) } }
@@ -354,7 +403,7 @@ pub(crate) fn queue(ctx: &Ctx, refresh: Duration, window_min: u64, v: &QueueView
                             }
                         }
                         @if let Some(after) = v.next_after {
-                            p { a.next href={(base) "?state=" (v.state.as_str()) "&after=" (after)} { "Next page →" } }
+                            p { a.next href={(base) "?state=" (v.state.as_str()) (of_kind) "&after=" (after)} { "Next page →" } }
                         }
                     }
                 }
@@ -423,6 +472,7 @@ pub(crate) fn job(
                 @if j.finished_ms.is_some() { dt { (if j.state == JobState::Dead { "Dead since" } else { "Finished" }) } dd { (time(j.finished_ms, now)) } }
                 @if let Some(k) = &j.key { dt { "Key" } dd { code { (k) } } }
                 @if let Some(g) = &j.group { dt { "Group" } dd { code { (g) } } }
+                @if let Some(k) = &j.kind { dt { "Kind" } dd #kind { code { (k) } } }
             }
             @if table.last_error().is_some() {
                 h2 { "Last error" }
@@ -559,6 +609,7 @@ mod tests {
                 state: JobState::Due,
                 rows: Ok(vec![row(7, cut)]),
                 next_after: None,
+                kind: None,
                 notice: None,
             };
             queue(&ctx, Duration::from_secs(5), 60, &v).into_string()

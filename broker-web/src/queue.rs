@@ -22,6 +22,7 @@ pub(crate) trait AnyQueue: Send + Sync {
     fn metrics(&self) -> MetricsSnapshot;
     fn stats(&self) -> Op<'_, QueueStats>;
     fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>>;
+    fn jobs_of_kind(&self, state: JobState, kind: String, page: Page) -> Op<'_, Vec<JobInfo>>;
     fn job(&self, id: i64) -> Op<'_, Option<JobInfo>>;
     fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64>;
     fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64>;
@@ -43,6 +44,9 @@ impl<B: Backend, T: 'static> AnyQueue for Queue<B, T> {
     }
     fn jobs(&self, state: JobState, page: Page) -> Op<'_, Vec<JobInfo>> {
         Box::pin(Queue::jobs(self, state, page))
+    }
+    fn jobs_of_kind(&self, state: JobState, kind: String, page: Page) -> Op<'_, Vec<JobInfo>> {
+        Box::pin(async move { Queue::jobs_of_kind(self, state, &kind, page).await })
     }
     fn job(&self, id: i64) -> Op<'_, Option<JobInfo>> {
         Box::pin(Queue::job(self, id))

@@ -69,6 +69,8 @@ pub(crate) struct QueueQuery {
     after: Option<i64>,
     done: Option<String>,
     n: Option<u64>,
+    /// Only rows of this kind (a kinds table).
+    kind: Option<String>,
 }
 
 /// GET `/`: every queue.
@@ -118,16 +120,16 @@ pub(crate) async fn queue(
             _ => JobState::Due,
         },
     };
-    let rows = q
-        .jobs(
-            state,
-            Page {
-                after: query.after,
-                limit: PAGE_ROWS,
-            },
-        )
-        .await
-        .map_err(|e| shown(&e));
+    let page = Page {
+        after: query.after,
+        limit: PAGE_ROWS,
+    };
+    let kind = query.kind.filter(|_| q.table().kind().is_some());
+    let rows = match &kind {
+        Some(k) => q.jobs_of_kind(state, k.clone(), page).await,
+        None => q.jobs(state, page).await,
+    }
+    .map_err(|e| shown(&e));
     let next_after = match &rows {
         Ok(r) if r.len() == PAGE_ROWS => r.last().map(|j| j.id),
         _ => None,
@@ -139,6 +141,7 @@ pub(crate) async fn queue(
         state,
         rows,
         next_after,
+        kind,
         notice: pages::notice(query.done.as_deref(), query.n),
     };
     html(pages::queue(&ctx, d.refresh, window_min(&d), &view))

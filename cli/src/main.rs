@@ -70,6 +70,9 @@ enum Command {
         /// Rows per page (1 to 1000).
         #[arg(long, default_value_t = 50)]
         limit: usize,
+        /// Only rows of this kind (a table with a kind column).
+        #[arg(long, value_name = "KIND")]
+        of_kind: Option<String>,
     },
     /// Dead letters: list, requeue, discard.
     Dead {
@@ -120,6 +123,10 @@ enum Command {
         /// The pool size of the workers' broker (`connect` opens 16), for the pool check.
         #[arg(long, default_value_t = 16)]
         pool_size: u32,
+        /// The job kinds the deployment's workers know, comma-separated (a table with a kind
+        /// column): the doctor warns naming each kind with unfinished rows that none knows.
+        #[arg(long, value_delimiter = ',', value_name = "KIND,..")]
+        known_kinds: Option<Vec<String>>,
     },
 }
 
@@ -219,12 +226,16 @@ async fn run_on<B: Backend>(
     if let Command::Doctor {
         concurrency,
         subscriptions,
+        known_kinds,
         ..
     } = command
     {
-        let options = DoctorOptions::new()
+        let mut options = DoctorOptions::new()
             .concurrency(*concurrency)
             .subscriptions(*subscriptions);
+        if let Some(kinds) = known_kinds {
+            options = options.kinds(kinds.iter().map(|k| k.trim().to_owned()));
+        }
         let report = broker.doctor(&table, &options).await;
         broker.close().await;
         return Ok(Out::Doctor(report));
@@ -247,8 +258,12 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
             state,
             after,
             limit,
+            of_kind,
         } => Out::Jobs {
-            jobs: q.jobs(*state, page(*after, *limit)).await?,
+            jobs: match of_kind {
+                Some(k) => q.jobs_of_kind(*state, k, page(*after, *limit)).await?,
+                None => q.jobs(*state, page(*after, *limit)).await?,
+            },
             limit: *limit,
         },
         Command::Dead { command } => match command {

@@ -67,6 +67,15 @@ impl Out {
                 "lag_seconds": s.lag().map(|d| d.as_secs_f64()),
                 "read_at_ms": s.read_at_ms,
                 "paused": s.paused.as_ref().map(|p| json!({ "since_ms": p.since_ms, "by": p.by })),
+                "kinds": s.kinds.iter().map(|k| json!({
+                    "kind": k.kind,
+                    "due": count(&k.due),
+                    "scheduled": count(&k.scheduled),
+                    "in_work": count(&k.in_work),
+                    "retrying": count(&k.retrying),
+                    "dead": k.dead.as_ref().map(count),
+                    "finished": k.finished.as_ref().map(count),
+                })).collect::<Vec<_>>(),
                 "schedules": s.schedules.iter().map(|c| json!({
                     "name": c.name,
                     "expression": c.expression,
@@ -87,6 +96,7 @@ impl Out {
                             "finished_ms": j.finished_ms,
                             "key": j.key,
                             "group": j.group,
+                            "kind": j.kind,
                             "payload": j.payload,
                             "payload_cut": j.payload_cut,
                             "last_error": j.last_error,
@@ -188,6 +198,30 @@ fn stats(s: &QueueStats) -> String {
     {
         let _ = writeln!(out, "  (~ marks the planner's estimate on a large table)");
     }
+    if !s.kinds.is_empty() {
+        let _ = writeln!(
+            out,
+            "  by kind    {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "due", "scheduled", "in work", "retrying", "dead", "finished"
+        );
+        let opt = |c: Option<&Count>| c.map_or_else(|| "-".to_owned(), Count::to_string);
+        for k in &s.kinds {
+            let name = k
+                .kind
+                .as_deref()
+                .map_or_else(|| "(no kind)".to_owned(), |k| cell(k, 20));
+            let _ = writeln!(
+                out,
+                "  {name:<20} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+                k.due.to_string(),
+                k.scheduled.to_string(),
+                k.in_work.to_string(),
+                k.retrying.to_string(),
+                opt(k.dead.as_ref()),
+                opt(k.finished.as_ref()),
+            );
+        }
+    }
     for sched in &s.schedules {
         let next = sched
             .next_tick_ms(s.read_at_ms)
@@ -278,17 +312,30 @@ fn jobs_table(jobs: &[JobInfo], limit: usize) -> String {
     if jobs.is_empty() {
         return "no rows\n".into();
     }
+    // A kinds table's rows show their kind; other tables' output is as it was.
+    let kinds = jobs.iter().any(|j| j.kind.is_some());
+    let kind = |k: Option<&str>| match kinds {
+        true => format!("{:<20}  ", cell(k.unwrap_or("-"), 20)),
+        false => String::new(),
+    };
     let mut out = format!(
-        "{:>10}  {:>7}  {:<9}  {:<23}  {:<30}  {}\n",
-        "id", "attempt", "state", "due", "last error", "payload"
+        "{:>10}  {:>7}  {:<9}  {}{:<23}  {:<30}  {}\n",
+        "id",
+        "attempt",
+        "state",
+        kind(Some("kind")),
+        "due",
+        "last error",
+        "payload"
     );
     for j in jobs {
         let _ = writeln!(
             out,
-            "{:>10}  {:>7}  {:<9}  {:<23}  {:<30}  {}",
+            "{:>10}  {:>7}  {:<9}  {}{:<23}  {:<30}  {}",
             j.id,
             j.attempt,
             j.state.as_str(),
+            kind(j.kind.as_deref()),
             j.due_ms.map(utc).unwrap_or_else(|| "-".into()),
             cell(j.last_error.as_deref().unwrap_or("-"), 30),
             cell(j.payload.as_deref().unwrap_or("-"), 40),

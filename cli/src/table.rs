@@ -12,6 +12,7 @@
 //! dead_letter_table = "jobs_dead"
 //! last_error = "last_error"
 //! snoozes = "snoozes"
+//! kind = "kind"                  # a table of many job kinds (payload then JSON)
 //! columns = { account = "bigint" }
 //! ```
 
@@ -58,6 +59,9 @@ pub(crate) struct TableArgs {
     /// The column that counts a row's snoozes (for `max_snoozes`).
     #[arg(long, global = true)]
     pub(crate) snoozes: Option<String>,
+    /// The kind column of a table of many job kinds (the payload is then JSON).
+    #[arg(long, global = true)]
+    pub(crate) kind: Option<String>,
     /// The group column.
     #[arg(long, global = true)]
     pub(crate) group: Option<String>,
@@ -133,6 +137,7 @@ impl TableArgs {
             processed_at: self.processed_at.or(file.processed_at),
             last_error: self.last_error.or(file.last_error),
             snoozes: self.snoozes.or(file.snoozes),
+            kind: self.kind.or(file.kind),
             group: self.group.or(file.group),
             fifo: self.fifo || file.fifo,
             priority: self.priority.or(file.priority),
@@ -159,7 +164,15 @@ impl TableArgs {
         )?;
         let mut b = TableDescription::builder(name);
         if let Some(c) = &self.payload {
-            b = b.payload(c, ColumnType::Text);
+            // A kinds table keeps its jobs' arguments as JSON.
+            let ty = match self.kind {
+                Some(_) => ColumnType::Json,
+                None => ColumnType::Text,
+            };
+            b = b.payload(c, ty);
+        }
+        if let Some(k) = &self.kind {
+            b = b.kind(k);
         }
         let set =
             |b: TableBuilder, c: &Option<String>, f: fn(TableBuilder, String) -> TableBuilder| {

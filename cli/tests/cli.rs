@@ -675,3 +675,255 @@ async fn the_cli_dashboard_without_a_token_answers_only_to_loopback_names() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A kind the kinds tests publish and run.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Resize {
+    image: i64,
+}
+impl broker_core::JobKind for Resize {
+    const KIND: &'static str = "resize";
+}
+
+/// A kind no worker runs.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Export {
+    user: i64,
+}
+impl broker_core::JobKind for Export {
+    const KIND: &'static str = "export";
+}
+
+fn kinds_table(name: &str) -> TableDescription {
+    TableDescription::builder(name)
+        .payload("args", ColumnType::Json)
+        .kind("kind")
+        .locked_until("locked_until")
+        .due_at("due_at")
+        .processed_at("done_at")
+        .last_error("last_error")
+        .max_attempts(1)
+        .dead_letter(DeadLetter::Column("dead_at".into()))
+        .build()
+        .unwrap()
+}
+
+/// Publishes three resize rows (one dead-lettered) and two export rows.
+async fn prepare_kinds<B: broker_core::Backend>(broker: &Broker<B>, t: &TableDescription)
+where
+    broker_core::KindRow: for<'r> sqlx::FromRow<'r, <B::Db as sqlx::Database>::Row>,
+    sqlx::types::Json<Resize>: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+    sqlx::types::Json<Export>: for<'q> sqlx::Encode<'q, B::Db> + sqlx::Type<B::Db>,
+{
+    broker.create_tables(t).await.unwrap();
+    let q = broker
+        .queue::<broker_core::KindRow>(t.clone())
+        .await
+        .unwrap();
+    for image in 0..3 {
+        q.enqueue(Resize { image }).await.unwrap();
+    }
+    for user in 0..2 {
+        q.enqueue(Export { user }).await.unwrap();
+    }
+    let d = q.claim(1).await.unwrap().pop().unwrap();
+    assert_eq!(d.payload().kind(), "resize");
+    d.dead_letter().await.unwrap();
+}
+
+/// `stats`, `jobs` and `doctor` of a kinds table, described by a TOML file with a kind role
+/// and by the `--kind` flag.
+fn exercise_kinds(url: &str, name: &str) {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli-kinds"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("kinds.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[table]\nname = \"{name}\"\npayload = \"args\"\nkind = \"kind\"\n\
+             locked_until = \"locked_until\"\ndue_at = \"due_at\"\nprocessed_at = \"done_at\"\n\
+             last_error = \"last_error\"\nmax_attempts = 1\ndead_letter_column = \"dead_at\"\n"
+        ),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+            .args(["--url", url, "--config"])
+            .arg(&config)
+            .args(args)
+            .output()
+            .expect("run sqlx-broker");
+        assert!(o.status.success(), "{args:?}: {}{}", stdout(&o), stderr(&o));
+        stdout(&o)
+    };
+    let out = run(&["stats"]);
+    let line = |kind: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(kind))
+            .unwrap_or_else(|| panic!("no line of kind {kind}: {out}"))
+            .split_whitespace()
+            .skip(1)
+            .collect::<Vec<_>>()
+    };
+    assert!(out.contains("by kind"), "{out}");
+    // due, scheduled, in work, retrying, dead, finished
+    assert_eq!(line("export"), ["2", "0", "0", "0", "0", "0"], "{out}");
+    assert_eq!(line("resize"), ["2", "0", "0", "0", "1", "0"], "{out}");
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json", "stats"])).unwrap();
+    let kinds = v["kinds"].as_array().expect("kinds in the JSON");
+    assert_eq!(kinds.len(), 2, "{v}");
+    assert_eq!(kinds[1]["kind"], "resize");
+    assert_eq!(kinds[1]["due"]["rows"], 2);
+    assert_eq!(kinds[1]["dead"]["rows"], 1);
+    assert_eq!(kinds[0]["kind"], "export");
+    // Listings show each row's kind.
+    let out = run(&["jobs", "due"]);
+    assert!(out.lines().next().unwrap().contains("kind"), "{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("export")).count(),
+        2,
+        "{out}"
+    );
+    assert_eq!(
+        out.lines().filter(|l| l.contains("resize")).count(),
+        2,
+        "{out}"
+    );
+    let out = run(&["jobs", "due", "--of-kind", "export"]);
+    assert_eq!(out.lines().count(), 3, "a header and two rows: {out}");
+    assert!(!out.contains("resize"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json", "dead", "list"])).unwrap();
+    assert_eq!(v[0]["kind"], "resize", "{v}");
+    // The doctor names the kind no worker knows.
+    let out = run(&["doctor", "--known-kinds", "resize,thumbnail"]);
+    assert!(
+        out.contains("[warn] job kinds: no worker knows \"export\" (2 unfinished rows)"),
+        "{out}"
+    );
+    let out = run(&["doctor", "--known-kinds", "resize,export"]);
+    assert!(out.contains("[pass] job kinds"), "{out}");
+    // The --kind flag is the kind role too (flags win over the file: here, the same roles).
+    let o = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args([
+            "--url",
+            url,
+            "--table",
+            name,
+            "--payload",
+            "args",
+            "--kind",
+            "kind",
+            "--locked-until",
+            "locked_until",
+            "--due-at",
+            "due_at",
+            "--processed-at",
+            "done_at",
+            "--max-attempts",
+            "1",
+            "--dead-letter-column",
+            "dead_at",
+            "--json",
+            "stats",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["kinds"].as_array().map(Vec::len), Some(2), "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_shows_a_sqlite_kinds_table_by_kind() {
+    let dir = std::env::temp_dir().join(broker_testkit::unique_name("cli"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/q.db", dir.display());
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    let t = kinds_table("kind_jobs");
+    prepare_kinds(&broker, &t).await;
+    // A kind written by other software, with terminal escapes in it.
+    let hostile = "ev\u{1b}]0;pwned\u{7}il\n[pass] fake";
+    sqlx::query("INSERT INTO kind_jobs (args, kind, attempt) VALUES ('{}', ?1, 1)")
+        .bind(hostile)
+        .execute(broker.pool())
+        .await
+        .unwrap();
+    broker.close().await;
+    let o = cli_kinds(&url, t.name(), &["stats"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!has_escape(&out), "{out:?}");
+    assert!(out.contains("pwned") && out.contains("\\u{1b}"), "{out}");
+    let o = cli_kinds(
+        &url,
+        t.name(),
+        &["doctor", "--known-kinds", "resize,export"],
+    );
+    let out = stdout(&o);
+    assert!(!has_escape(&out), "{out:?}");
+    assert!(!out.lines().any(|l| l.starts_with("[pass] fake")), "{out}");
+    assert!(out.contains("[warn] job kinds"), "{out}");
+    // Take the hostile row out again for the common checks.
+    let broker = broker_sqlite::SqliteBackend::connect(&url).await.unwrap();
+    sqlx::query("DELETE FROM kind_jobs WHERE kind = ?1")
+        .bind(hostile)
+        .execute(broker.pool())
+        .await
+        .unwrap();
+    broker.close().await;
+    exercise_kinds(&url, t.name());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Runs the binary on a kinds table described by flags.
+fn cli_kinds(url: &str, table: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
+        .args([
+            "--url",
+            url,
+            "--table",
+            table,
+            "--payload",
+            "args",
+            "--kind",
+            "kind",
+            "--locked-until",
+            "locked_until",
+            "--due-at",
+            "due_at",
+            "--processed-at",
+            "done_at",
+            "--max-attempts",
+            "1",
+            "--dead-letter-column",
+            "dead_at",
+        ])
+        .args(args)
+        .output()
+        .expect("run sqlx-broker")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_shows_a_postgres_kinds_table_by_kind() {
+    let broker = broker_postgres::PgBackend::connect(&pg_url())
+        .await
+        .unwrap();
+    let t = kinds_table(&broker_testkit::unique_name("cli_kinds"));
+    prepare_kinds(&broker, &t).await;
+    exercise_kinds(&pg_url(), t.name());
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_shows_a_mariadb_kinds_table_by_kind() {
+    let broker = broker_mysql::MySqlBackend::connect(&mysql_url())
+        .await
+        .unwrap();
+    let t = kinds_table(&broker_testkit::unique_name("cli_kinds"));
+    prepare_kinds(&broker, &t).await;
+    exercise_kinds(&mysql_url(), t.name());
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+}

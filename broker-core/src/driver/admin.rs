@@ -27,12 +27,15 @@ pub trait AdminDriver: Send + Sync {
     /// The rows of `table` in `state`, by id, a page at a time. Of each row's `last_error` the
     /// statement reads `error_chars` + 1 characters at most (cut in SQL, so a long text never
     /// leaves the database whole), which [`JobInfo::with_last_error`] keeps `error_chars` of.
+    /// `kind`: only rows whose kind column holds it, compared as bytes (the core passes one
+    /// only for a table with a kind column).
     fn list(
         &self,
         table: &TableDescription,
         state: JobState,
         page: Page,
         error_chars: usize,
+        kind: Option<&str>,
         now_ms: i64,
     ) -> impl Future<Output = Result<Vec<JobInfo>>> + Send;
 

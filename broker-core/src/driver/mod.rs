@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use sqlx::{Database, Pool};
 
-pub use crate::admin::{Count, DeadLetters, JobInfo, JobState, Page, Pause, RowChange};
+pub use crate::admin::{Count, DeadLetters, JobInfo, JobState, KindStats, Page, Pause, RowChange};
 use crate::claim_mode::ClaimMode;
 use crate::doctor::{Check, DoctorOptions};
 use crate::error::Result;
@@ -884,6 +884,87 @@ pub struct StatsCounts {
     pub finished: Option<Count>,
     /// The due time of the oldest due row that has one.
     pub oldest_due_ms: Option<i64>,
+    /// The counts of each kind, on a table with a kind column (see [`by_kind`](Self::by_kind)).
+    pub kinds: Vec<crate::admin::KindStats>,
+}
+
+/// The part of a kinds table's stats statement that counts its dead-letter table by kind:
+/// appended to the statement that counts the table grouped by kind (whose select list is the
+/// six counts of [`kind_part`] in its order, the oldest due time, then the kind), so both are
+/// read in one statement, one snapshot. `dead_table` and `kind` (an expression of the kind
+/// column as text, the same one the statement groups by) come quoted by the backend;
+/// `null_int` is its typed integer NULL.
+pub fn dead_by_kind(dead_table: &str, kind: &str, null_int: &str) -> String {
+    format!(
+        " UNION ALL SELECT 0, 0, 0, 0, {null_int}, count(*), {null_int}, {kind} \
+         FROM {dead_table} GROUP BY {kind}"
+    )
+}
+
+/// One row of a stats statement grouped by kind, as [`KindStats`](crate::admin::KindStats):
+/// `counts` are due, scheduled, in work, retrying, finished and dead, in that order (NULL
+/// finished or dead: the table keeps none), each made a [`Count`] by `count`.
+pub fn kind_part(
+    kind: Option<String>,
+    counts: [Option<i64>; 6],
+    count: impl Fn(i64) -> Count,
+) -> crate::admin::KindStats {
+    let c = |v: Option<i64>| count(v.unwrap_or(0));
+    let mut part = crate::admin::KindStats::new(kind);
+    part.due = c(counts[0]);
+    part.scheduled = c(counts[1]);
+    part.in_work = c(counts[2]);
+    part.retrying = c(counts[3]);
+    part.finished = counts[4].map(&count);
+    part.dead = counts[5].map(&count);
+    part
+}
+
+impl StatsCounts {
+    /// The counts of a kinds table from the rows of one statement grouped by kind: the parts
+    /// (several for one kind where the statement counts the dead-letter table apart, say) are
+    /// merged by kind and sorted, and the totals are their sums, so every row counts once in
+    /// the totals and once in its kind.
+    pub fn by_kind(
+        table: &crate::TableDescription,
+        parts: Vec<crate::admin::KindStats>,
+        oldest_due_ms: Option<i64>,
+    ) -> Self {
+        use crate::admin::KindStats;
+        let mut kinds: Vec<KindStats> = Vec::new();
+        for part in parts {
+            match kinds.iter_mut().find(|k| k.kind == part.kind) {
+                Some(k) => k.add(&part),
+                None => kinds.push(part),
+            }
+        }
+        // Every kind has the table's dead and finished counts (zero where none), or none.
+        for k in &mut kinds {
+            k.dead = table
+                .dead_letter()
+                .map(|_| k.dead.unwrap_or(Count::exact(0)));
+            k.finished = table
+                .processed_at()
+                .map(|_| k.finished.unwrap_or(Count::exact(0)));
+        }
+        kinds.sort_by(|a, b| a.kind.cmp(&b.kind));
+        let mut total = KindStats::new(None);
+        total.dead = table.dead_letter().map(|_| Count::exact(0));
+        total.finished = table.processed_at().map(|_| Count::exact(0));
+        for k in &kinds {
+            total.add(k);
+        }
+        Self {
+            due: total.due,
+            scheduled: total.scheduled,
+            in_work: total.in_work,
+            retrying: total.retrying,
+            dead: total.dead,
+            finished: total.finished,
+            oldest_due_ms,
+            kinds,
+        }
+    }
 }
 
 /// A registration for wake-ups from other processes (see [`Backend::listen`]): dropping it
@@ -905,5 +986,64 @@ impl Listening {
 impl std::fmt::Debug for Listening {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Listening").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod kinds_tests {
+    use super::*;
+    use crate::{ColumnType, DeadLetter, TableDescription};
+
+    #[test]
+    fn counts_by_kind_merge_their_parts_and_the_totals_are_their_sums() {
+        let t = TableDescription::builder("jobs")
+            .payload("args", ColumnType::Json)
+            .kind("kind")
+            .locked_until("locked_until")
+            .max_attempts(2)
+            .dead_letter(DeadLetter::Table("jobs_dead".into()))
+            .build()
+            .unwrap();
+        let exact = |n| Count::exact(u64::try_from(n).unwrap());
+        let parts = vec![
+            kind_part(
+                Some("b".into()),
+                [Some(2), Some(1), Some(1), Some(0), None, Some(0)],
+                exact,
+            ),
+            kind_part(
+                Some("a".into()),
+                [Some(5), None, None, Some(1), None, Some(0)],
+                exact,
+            ),
+            // The dead-letter table's part of kind b, and of a kind only dead letters have.
+            kind_part(
+                Some("b".into()),
+                [Some(0), Some(0), Some(0), Some(0), None, Some(3)],
+                exact,
+            ),
+            kind_part(
+                Some("gone".into()),
+                [Some(0), Some(0), Some(0), Some(0), None, Some(4)],
+                exact,
+            ),
+        ];
+        let s = StatsCounts::by_kind(&t, parts, Some(7));
+        let names: Vec<_> = s.kinds.iter().map(|k| k.kind.as_deref()).collect();
+        assert_eq!(names, [Some("a"), Some("b"), Some("gone")]);
+        assert_eq!(s.kinds[1].dead, Some(Count::exact(3)));
+        assert_eq!(s.kinds[1].due, Count::exact(2));
+        assert_eq!(s.due, Count::exact(7));
+        assert_eq!(s.dead, Some(Count::exact(7)));
+        assert_eq!(s.finished, None, "acks delete on this table");
+        assert!(s.kinds.iter().all(|k| k.finished.is_none()));
+        assert_eq!(s.oldest_due_ms, Some(7));
+        // An estimate in any part makes the sum one.
+        let parts = vec![kind_part(
+            Some("a".into()),
+            [Some(1), Some(0), Some(0), Some(0), None, Some(0)],
+            |n| Count::estimate(u64::try_from(n).unwrap()),
+        )];
+        assert!(!StatsCounts::by_kind(&t, parts, None).due.exact);
     }
 }
