@@ -210,7 +210,7 @@ pub async fn a_cancel_from_another_broker_signals_the_running_handler_and_the_ro
 pub async fn a_handler_that_ignores_a_cancel_is_dropped_after_the_grace<D: TestDb>(
     mode: ClaimMode,
 ) {
-    const GRACE: Duration = Duration::from_millis(500);
+    const GRACE: Duration = Duration::from_millis(1500);
     let mut fx = Fixture::<D>::new(mode, |b| b).await;
     let q = fx.queue().await;
     let operator = fx.other_queue().await;
@@ -229,6 +229,9 @@ pub async fn a_handler_that_ignores_a_cancel_is_dropped_after_the_grace<D: TestD
         async move { n == 1 }
     })
     .await;
+    // Before the signal can be raised: the drop comes a grace after the signal, so after this
+    // too. (The watcher task's own note of the signal can come late on a loaded machine.)
+    let asked = Instant::now();
     assert_eq!(
         operator.cancel(target).await.expect("cancel"),
         Cancelled::Signalled
@@ -238,14 +241,11 @@ pub async fn a_handler_that_ignores_a_cancel_is_dropped_after_the_grace<D: TestD
         async move { got }
     })
     .await;
-    let (signalled, reason) = log.lock().unwrap().signalled[&target];
+    let (_, reason) = log.lock().unwrap().signalled[&target];
     let (ended, returned) = log.lock().unwrap().ended[&target];
     assert_eq!(reason, CancelReason::Cancelled);
     assert!(!returned, "a pending handler cannot return");
-    assert!(
-        ended >= signalled + GRACE,
-        "dropped only once the grace passed"
-    );
+    assert!(ended >= asked + GRACE, "dropped only once the grace passed");
     wait_until("the cancelled row deleted", Duration::from_secs(30), || {
         let q = q.clone();
         async move { q.row_state(target).await.unwrap().is_none() }
