@@ -404,6 +404,18 @@ pub enum RowChange {
     InWork(String),
 }
 
+/// What [`Queue::cancel`](crate::Queue::cancel) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Cancelled {
+    /// No delivery held the row: it was deleted.
+    Removed,
+    /// A delivery held the row: the request was recorded and its holder signalled. The holder
+    /// raises the handler's cancel signal, waits the subscription's grace, and deletes the row
+    /// (see docs/timeouts-and-cancelling.md, "Cancelling a running job").
+    Signalled,
+}
+
 /// `s` cut to at most `max` bytes at a character boundary.
 pub(crate) fn floor_char_boundary(s: &str, max: usize) -> usize {
     if s.len() <= max {

@@ -9,7 +9,7 @@ use sqlx::{Database, FromRow};
 
 use std::time::Duration;
 
-use crate::admin::{DeadLetters, JobInfo, JobState, Page, Pause, QueueStats, RowChange};
+use crate::admin::{Cancelled, DeadLetters, JobInfo, JobState, Page, Pause, QueueStats, RowChange};
 use crate::claim_mode::ClaimMode;
 use crate::delivery::{self, Delivery, Job, JobTransaction};
 use crate::driver::{AdminDriver, Backend, RowState};
@@ -560,7 +560,8 @@ fn ids(done: Vec<Published>) -> Vec<i64> {
 
 /// Operating the queue: what it holds, and changes to rows outside the claim path (see
 /// [`admin`](crate::admin)). Each change is fenced like a settlement: a row a delivery holds is
-/// refused with [`SqlxBrokerError::RowInWork`], and nothing changes.
+/// refused with [`SqlxBrokerError::RowInWork`], and nothing changes; only
+/// [`cancel`](Queue::cancel) reaches a row in work, through its holder.
 impl<B: Backend, T> Queue<B, T> {
     fn refused(&self, what: &'static str, why: impl Into<String>) -> SqlxBrokerError {
         SqlxBrokerError::Refused {
@@ -830,18 +831,64 @@ impl<B: Backend, T> Queue<B, T> {
     }
 
     /// Takes unfinished row `id` out of the queue by deleting it (a cancelled row is gone; it
-    /// is not kept as a dead letter or a finished row).
+    /// is not kept as a dead letter or a finished row), and tells what it did.
+    ///
+    /// A row no delivery holds is deleted at once ([`Cancelled::Removed`]). A row in work is
+    /// cancelled through its holder, in whichever process it runs ([`Cancelled::Signalled`]): the
+    /// request is recorded in the cancel table ([`CANCEL_TABLE`](crate::driver::CANCEL_TABLE),
+    /// which the DDL helper creates), the holder's handler sees its cancel signal
+    /// ([`Job::cancelled`](crate::Job::cancelled), [`CancelReason::Cancelled`](crate::CancelReason::Cancelled))
+    /// at once in this process, through `NOTIFY` on PostgreSQL, and within one poll interval
+    /// elsewhere; after the subscription's grace the holder drops the handler and deletes the
+    /// row, fenced as its own settlement. A handler that returned before the signal reached it
+    /// settles as it returned (an ack wins). A holder that dies leaves the request to the row's
+    /// next claim, which deletes the row without running its handler. See
+    /// docs/timeouts-and-cancelling.md, "Cancelling a running job".
+    ///
+    /// [`Cancelled::Signalled`] also when the row was gone by the time the request was
+    /// recorded: its holder deleted it for this cancel, or finished it just before.
     ///
     /// # Errors
-    /// [`SqlxBrokerError::RowInWork`] when a delivery holds the row (nothing changed),
-    /// [`SqlxBrokerError::RowNotFound`] when there is no such unfinished row.
-    pub async fn cancel(&self, id: i64) -> Result<()> {
-        let change = self
-            .backend()
-            .admin()
-            .cancel(&self.inner.shared.table, id, crate::driver::clock::now_ms())
+    /// [`SqlxBrokerError::RowNotFound`] when there is no such unfinished row; a statement
+    /// error when the row is in work and the cancel table is missing (create it with the DDL
+    /// helper).
+    pub async fn cancel(&self, id: i64) -> Result<Cancelled> {
+        let table = &self.inner.shared.table;
+        let admin = self.backend().admin();
+        let change = admin
+            .cancel(table, id, crate::driver::clock::now_ms())
             .await?;
-        self.row_change("cancel", id, change).map(drop)
+        let RowChange::InWork(_) = change else {
+            self.row_change("cancel", id, change)?;
+            return Ok(Cancelled::Removed);
+        };
+        // Recorded before the row is looked at again: a holder that settles or gives the row
+        // back in between leaves either a row the second try deletes, or no row (its handler
+        // finished first) and a request nobody needs, which is withdrawn here.
+        admin
+            .request_cancel(table.name(), id, crate::driver::clock::now_ms())
+            .await?;
+        let gate = self.inner.shared.broker.gate(table.name());
+        gate.cancels.request(id);
+        let again = admin
+            .cancel(table, id, crate::driver::clock::now_ms())
+            .await;
+        match again? {
+            RowChange::InWork(_) => Ok(Cancelled::Signalled),
+            // Gone since: its holder deleted it for this request, or finished it first. The
+            // request is spent either way.
+            RowChange::NotFound => {
+                admin.clear_cancel(table.name(), id).await?;
+                gate.cancels.forget(id);
+                Ok(Cancelled::Signalled)
+            }
+            other => {
+                admin.clear_cancel(table.name(), id).await?;
+                gate.cancels.forget(id);
+                self.row_change("cancel", id, other)?;
+                Ok(Cancelled::Removed)
+            }
+        }
     }
 
     /// Makes unfinished row `id` (scheduled, or waiting for a delayed retry) due now and wakes
@@ -851,7 +898,8 @@ impl<B: Backend, T> Queue<B, T> {
     /// as the claim order says; see docs/operating.md.
     ///
     /// # Errors
-    /// As [`cancel`](Self::cancel).
+    /// [`SqlxBrokerError::RowInWork`] when a delivery holds the row (nothing changed),
+    /// [`SqlxBrokerError::RowNotFound`] when there is no such unfinished row.
     pub async fn run_now(&self, id: i64) -> Result<()> {
         let change = self
             .backend()

@@ -300,7 +300,7 @@ fn given_back(table: &TableDescription, id: i64, action: Action) -> Option<Posit
             due_ms: Some(due_ms),
             id,
         }),
-        Action::Ack | Action::DeadLetter => None,
+        Action::Ack | Action::DeadLetter | Action::Cancel => None,
     }
 }
 
@@ -745,7 +745,7 @@ impl<B: Backend, T> Delivery<B, T> {
     /// # Cancel safety
     /// Not cancel safe: a cancelled settlement may or may not have landed, and its connection is
     /// dropped mid-statement. The engine never cancels it.
-    pub async fn settle(mut self, outcome: Outcome) -> Result<()> {
+    pub async fn settle(self, outcome: Outcome) -> Result<()> {
         let queue = self.queue.clone();
         let table = &queue.table;
         // Every refusal below returns with the hold still in `self` (or lent and kept by the
@@ -821,7 +821,29 @@ impl<B: Backend, T> Delivery<B, T> {
                 ),
             });
         }
-        let hold = self.hold.take().expect("checked at the top");
+        self.settle_action(action, over_cap).await
+    }
+
+    /// Deletes the row for an operator's cancel ([`Action::Cancel`]), fenced as any
+    /// settlement of this delivery is; counted in `cancelled`.
+    pub(crate) async fn settle_cancelled(self) -> Result<()> {
+        let queue = self.queue.clone();
+        if self.hold.is_none() || queue.broker.closed.load(Ordering::SeqCst) {
+            // As `settle` refuses these: the drop gives the row back (the request stays).
+            return Err(SqlxBrokerError::Closed {
+                table: queue.table.name().to_owned(),
+                what: format!("the cancel of row {}", self.id),
+            });
+        }
+        self.settle_action(Action::Cancel, None).await
+    }
+
+    /// Runs the settlement `action`; `over_cap` tells why a snooze became a dead letter.
+    async fn settle_action(mut self, action: Action, over_cap: Option<String>) -> Result<()> {
+        let queue = self.queue.clone();
+        let table = &queue.table;
+        let now_ms = clock::now_ms();
+        let hold = self.hold.take().expect("checked by the caller");
         let settle = Settle {
             id: self.id,
             action,
@@ -843,6 +865,7 @@ impl<B: Backend, T> Delivery<B, T> {
                 Action::Retry { .. } => Counter::Retried,
                 Action::DeadLetter => Counter::DeadLettered,
                 Action::Snooze { .. } => Counter::Snoozed,
+                Action::Cancel => Counter::Cancelled,
             },
             1,
         );

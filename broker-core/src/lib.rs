@@ -85,7 +85,9 @@ mod subscription;
 mod table;
 mod warnings;
 
-pub use admin::{Count, DeadLetters, JobInfo, JobState, KindStats, Page, Pause, QueueStats};
+pub use admin::{
+    Cancelled, Count, DeadLetters, JobInfo, JobState, KindStats, Page, Pause, QueueStats,
+};
 #[cfg(feature = "metrics")]
 pub use broker::DepthExport;
 pub use broker::{Broker, Queue};
@@ -126,8 +128,8 @@ pub mod api {
     /// The counts of one kind in [`QueueStats::kinds`].
     pub use crate::KindStats;
     pub use crate::{
-        BoxError, Broker, CancelReason, CancelSignal, Check, ClaimMode, ColumnType, Count,
-        DEFAULT_CANCEL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_POLL_COOLDOWN, DeadLetter,
+        BoxError, Broker, CancelReason, CancelSignal, Cancelled, Check, ClaimMode, ColumnType,
+        Count, DEFAULT_CANCEL_GRACE, DEFAULT_LEASE_SECONDS, DEFAULT_POLL_COOLDOWN, DeadLetter,
         DeadLetters, Delivery, DoctorOptions, DoctorReport, HandlerPanicked, HandlerResult,
         HandlerService, Health, IntoOutcome, IsolationLevel, Job, JobInfo, JobState,
         JobTransaction, KeyPart, KeyTemplate, MIN_POLL_INTERVAL, MetricsSnapshot, ModeColumns,

@@ -36,10 +36,11 @@ pub(crate) enum Counter {
     BatchedAcks,
     TimedOut,
     Snoozed,
+    Cancelled,
 }
 
 impl Counter {
-    const ALL: [Counter; 16] = [
+    const ALL: [Counter; 17] = [
         Counter::Claimed,
         Counter::Acked,
         Counter::Retried,
@@ -56,6 +57,7 @@ impl Counter {
         Counter::BatchedAcks,
         Counter::TimedOut,
         Counter::Snoozed,
+        Counter::Cancelled,
     ];
 
     /// The exported counter's name.
@@ -78,10 +80,11 @@ impl Counter {
             Self::BatchedAcks => "sqlx_broker_batched_acks_total",
             Self::TimedOut => "sqlx_broker_timed_out_total",
             Self::Snoozed => "sqlx_broker_snoozed_total",
+            Self::Cancelled => "sqlx_broker_cancelled_total",
         }
     }
 
-    /// Whether a row counted here has left the broker's hands: one of the eight counters every
+    /// Whether a row counted here has left the broker's hands: one of the nine counters every
     /// claimed row ends in exactly once (see [`MetricsSnapshot`]).
     fn counts_a_row_out(self) -> bool {
         matches!(
@@ -94,6 +97,7 @@ impl Counter {
                 | Self::SettleFailed
                 | Self::Released
                 | Self::Snoozed
+                | Self::Cancelled
         )
     }
 }
@@ -240,16 +244,17 @@ impl Metrics {
             batched_acks: self.get(Counter::BatchedAcks),
             timed_out: self.get(Counter::TimedOut),
             snoozed: self.get(Counter::Snoozed),
+            cancelled: self.get(Counter::Cancelled),
         }
     }
 }
 
 /// A reading of a queue's counters.
 ///
-/// Every claimed row leaves work exactly once, through one of eight counters, and is
+/// Every claimed row leaves work exactly once, through one of nine counters, and is
 /// [`held`](Self::held) until then, so at every moment:
 ///
-/// `claimed = acked + retried + snoozed + dead_lettered + lease_lost + gone + settle_failed + released + held`
+/// `claimed = acked + retried + snoozed + dead_lettered + cancelled + lease_lost + gone + settle_failed + released + held`
 ///
 /// At rest (no subscription running, no manual delivery held) `held` is 0. A reading is not
 /// atomic: a row that leaves work while it is taken may show in both `held` and its counter
@@ -277,7 +282,7 @@ pub struct MetricsSnapshot {
     /// in flight, are not in it: they are in [`held`](Self::held).
     pub in_work: u64,
     /// Rows claimed and not yet settled or given back (a gauge): waiting for a free worker, in
-    /// work, or settling. What [`claimed`](Self::claimed) holds beyond the eight counters that
+    /// work, or settling. What [`claimed`](Self::claimed) holds beyond the nine counters that
     /// rows leave through. `stats()`'s `in_work` counts rows in work in the table, of every
     /// process, and so includes this process's held rows.
     pub held: u64,
@@ -291,7 +296,7 @@ pub struct MetricsSnapshot {
     /// took the same rows at the same time (a deadlock; on a Galera cluster, a claim on another
     /// node that won certification). The subscription claims again at once: a conflict means
     /// rows are there, so it is neither a claim error nor a reason to back off. Not one of the
-    /// eight counters that rows leave through: a conflict hands out no row.
+    /// nine counters that rows leave through: a conflict hands out no row.
     pub claim_conflicts: u64,
     /// Rows whose columns did not decode into the handler's type.
     pub decode_errors: u64,
@@ -310,7 +315,7 @@ pub struct MetricsSnapshot {
     pub released: u64,
     /// Of the acked rows, those acked by a statement that acked others with them (lease mode,
     /// where the backend acks many rows at once: acks that finish close together share one
-    /// statement and one commit). Not one of the eight counters that rows leave through: a part of `acked`.
+    /// statement and one commit). Not one of the nine counters that rows leave through: a part of `acked`.
     pub batched_acks: u64,
     /// Handlers that ran past their timeout
     /// ([`SubscribeOptions::timeout`](crate::SubscribeOptions::timeout)): each was signalled,
@@ -318,6 +323,10 @@ pub struct MetricsSnapshot {
     /// above: the row leaves work through one of them too (usually `retried` or
     /// `dead_lettered`).
     pub timed_out: u64,
+    /// Rows an operator cancelled while they were in work ([`Queue::cancel`](crate::Queue::cancel)),
+    /// deleted by their holder's settlement (or by the next claim, without running the
+    /// handler, where the holder went away). One of the counters rows leave work through.
+    pub cancelled: u64,
 }
 
 /// Counts a delivery in `in_work` (and the exported gauge) until it leaves work, however it

@@ -26,7 +26,7 @@
 //!
 //! These statements are not on the hot path: they are built per call.
 
-use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CANCEL_TABLE, CONTROL_TABLE, StatsCounts};
 use broker_core::{
     ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -842,10 +842,26 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
+/// The cancel table's DDL (see [`CANCEL_TABLE`]): its key serves the read of one queue's
+/// requests; the queue compares as the control table's does.
+pub(crate) fn cancels_ddl() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {CANCEL_TABLE} (queue VARCHAR(255) CHARACTER SET utf8mb4 \
+         COLLATE utf8mb4_bin NOT NULL, id BIGINT NOT NULL, requested_at_ms BIGINT NOT NULL, \
+         PRIMARY KEY (queue, id)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    )
+}
+
 /// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
 /// (see [`broker_core::driver::unpause_ddl`]).
 pub(crate) fn unpause_ddl(table: &str) -> String {
     broker_core::driver::unpause_ddl(&literal(table))
+}
+
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's cancel
+/// requests (see [`broker_core::driver::uncancel_ddl`]).
+pub(crate) fn uncancel_ddl(table: &str) -> String {
+    broker_core::driver::uncancel_ddl(&literal(table))
 }
 
 impl AdminDriver for MySqlAdmin<'_> {
@@ -1208,6 +1224,42 @@ impl AdminDriver for MySqlAdmin<'_> {
         .map_err(|e| SqlxBrokerError::statement("", "control table check", e));
         conn.finish();
         Ok(found? > 0)
+    }
+
+    async fn request_cancel(&self, table: &str, id: i64, now_ms: i64) -> Result<()> {
+        let q = Q::new(format!(
+            "INSERT INTO {CANCEL_TABLE} (queue, id, requested_at_ms) VALUES ("
+        ))
+        .text(table)
+        .push(", ")
+        .int(id)
+        .push(", ")
+        .int(now_ms)
+        .push(") ON DUPLICATE KEY UPDATE requested_at_ms = requested_at_ms");
+        self.execute(table, "cancel request", q, true)
+            .await
+            .map(drop)
+    }
+
+    async fn cancel_requests(&self, table: &str) -> Result<Vec<i64>> {
+        let mut conn = self.conn(table).await?;
+        let ids = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT id FROM {CANCEL_TABLE} WHERE queue = ?"
+        )))
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "cancel requests", e));
+        conn.finish();
+        ids
+    }
+
+    async fn clear_cancel(&self, table: &str, id: i64) -> Result<()> {
+        let q = Q::new(format!("DELETE FROM {CANCEL_TABLE} WHERE queue = "))
+            .text(table)
+            .push(" AND id = ")
+            .int(id);
+        self.execute(table, "cancel clear", q, true).await.map(drop)
     }
 }
 

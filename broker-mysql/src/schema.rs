@@ -121,6 +121,8 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     }
     // Which queues are paused, shared by every queue of the database.
     out.push(crate::admin::control_ddl());
+    // Cancel requests for rows in work, shared likewise.
+    out.push(crate::admin::cancels_ddl());
     out.extend(crate::schedule::ddl());
     out
 }
@@ -315,6 +317,7 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     // A pause of the dropped queue goes with it (the control table stays: other queues share
     // it), so a table created again under the name does not start paused.
     out.push(crate::admin::unpause_ddl(t.name()));
+    out.push(crate::admin::uncancel_ddl(t.name()));
     out
 }
 
@@ -558,10 +561,11 @@ mod tests {
         let ddl = ddl(&t);
         assert_eq!(
             ddl.len(),
-            5,
-            "queue, dead letters, control, schedules, ticks"
+            6,
+            "queue, dead letters, control, cancels, schedules, ticks"
         );
         assert!(ddl[2].contains("sqlx_broker_control"), "{}", ddl[2]);
+        assert!(ddl[3].contains("sqlx_broker_cancels"), "{}", ddl[3]);
         let queue = &ddl[0];
         assert!(
             queue.contains("`id` BIGINT NOT NULL AUTO_INCREMENT"),
@@ -611,7 +615,9 @@ mod tests {
                 "DROP TABLE IF EXISTS `jobs`",
                 "DROP TABLE IF EXISTS `jobs_dead`",
                 "DELETE FROM sqlx_broker_control WHERE queue = \
-                 CONVERT(X'6a6f6273' USING utf8mb4) COLLATE utf8mb4_bin"
+                 CONVERT(X'6a6f6273' USING utf8mb4) COLLATE utf8mb4_bin",
+                "DELETE FROM sqlx_broker_cancels WHERE queue = \
+                 CONVERT(X'6a6f6273' USING utf8mb4) COLLATE utf8mb4_bin",
             ]
         );
     }

@@ -516,11 +516,16 @@ impl Statements {
             }),
             None => DeadStatements::None,
         };
+        // An operator's cancel deletes the row even where acks keep it.
+        let cancel = Sql::new(format!("DELETE FROM {table}"))
+            .append(&by_id)
+            .stmt("cancel");
         SettleStatements {
             ack,
             retry,
             dead,
             snooze,
+            cancel,
         }
     }
 }

@@ -13,7 +13,7 @@
 //! These statements are not on the hot path: they are built per call and sent unnamed where
 //! the backend is behind a transaction-mode pooler.
 
-use broker_core::driver::{AdminDriver, CONTROL_TABLE, Signal, StatsCounts};
+use broker_core::driver::{AdminDriver, CANCEL_TABLE, CONTROL_TABLE, Signal, StatsCounts};
 use broker_core::{
     ClaimMode, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -625,6 +625,15 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
+/// The cancel table's DDL (see [`CANCEL_TABLE`]): its key serves the read of one queue's
+/// requests.
+pub(crate) fn cancels_ddl() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {CANCEL_TABLE} (queue TEXT NOT NULL, id BIGINT NOT NULL, \
+         requested_at_ms BIGINT NOT NULL, PRIMARY KEY (queue, id))"
+    )
+}
+
 /// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
 /// (see [`broker_core::driver::unpause_ddl`]). Not a `DO` block, as it was: a name holding the
 /// block's dollar-quote tag ended its body early.
@@ -1032,5 +1041,51 @@ impl AdminDriver for PgAdmin<'_> {
         crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_one(c)))
             .await
             .map_err(|e| SqlxBrokerError::statement("", "control table check", e))
+    }
+
+    async fn request_cancel(&self, table: &str, id: i64, now_ms: i64) -> Result<()> {
+        // The update on conflict returns the row, so a repeated request notifies again.
+        let q = self
+            .query(notifying(
+                &format!(
+                    "INSERT INTO {CANCEL_TABLE} (queue, id, requested_at_ms) \
+                     VALUES ($1::text, $2::int8, $3::int8) \
+                     ON CONFLICT (queue, id) DO UPDATE SET requested_at_ms = EXCLUDED.requested_at_ms"
+                ),
+                4,
+            ))
+            .bind(table.to_owned())
+            .bind(id)
+            .bind(now_ms)
+            .bind(SIGNALS)
+            .bind(Signal::Cancel { id }.payload(table));
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))
+            .await
+            .map(drop)
+            .map_err(|e| SqlxBrokerError::statement(table, "cancel request", e))
+    }
+
+    async fn cancel_requests(&self, table: &str) -> Result<Vec<i64>> {
+        let q = sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT id FROM {CANCEL_TABLE} WHERE queue = $1::text"
+        )))
+        .persistent(self.prepared)
+        .bind(table.to_owned());
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.fetch_all(c)))
+            .await
+            .map_err(|e| SqlxBrokerError::statement(table, "cancel requests", e))
+    }
+
+    async fn clear_cancel(&self, table: &str, id: i64) -> Result<()> {
+        let q = self
+            .query(format!(
+                "DELETE FROM {CANCEL_TABLE} WHERE queue = $1::text AND id = $2::int8"
+            ))
+            .bind(table.to_owned())
+            .bind(id);
+        crate::sql::on_pool(self.pool, self.prepared, |c| Box::pin(q.execute(c)))
+            .await
+            .map(drop)
+            .map_err(|e| SqlxBrokerError::statement(table, "cancel clear", e))
     }
 }

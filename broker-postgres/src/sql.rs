@@ -493,11 +493,16 @@ impl Statements {
                 sets.join(", ")
             )
         });
+        // An operator's cancel deletes the row even where acks keep it.
+        let cancel = format!(
+            "DELETE FROM {table} AS q WHERE q.{id} = $1::int8 AND $2::int8 IS NOT NULL{fence}"
+        );
         driver::SettleStatements {
             ack,
             retry: Some(retry),
             dead,
             snooze,
+            cancel,
         }
         .map(Arc::from)
     }

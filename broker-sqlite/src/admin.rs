@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use broker_core::driver::{AdminDriver, CONTROL_TABLE, StatsCounts};
+use broker_core::driver::{AdminDriver, CANCEL_TABLE, CONTROL_TABLE, StatsCounts};
 use broker_core::{
     ClaimMode, ColumnType, Count, DeadLetter, DeadLetters, JobInfo, JobState, KeyPart, KeyTemplate,
     ModeColumns, Page, Pause, Result, SqlxBrokerError, TableDescription,
@@ -480,10 +480,25 @@ pub(crate) fn control_ddl() -> String {
     )
 }
 
+/// The cancel table's DDL (see [`CANCEL_TABLE`]): its key serves the read of one queue's
+/// requests.
+pub(crate) fn cancels_ddl() -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {CANCEL_TABLE} (queue TEXT NOT NULL, id INTEGER NOT NULL, \
+         requested_at_ms INTEGER NOT NULL, PRIMARY KEY (queue, id))"
+    )
+}
+
 /// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's pause
 /// (see [`broker_core::driver::unpause_ddl`]).
 pub(crate) fn unpause_ddl(table: &str) -> String {
     broker_core::driver::unpause_ddl(&literal(table))
+}
+
+/// The statement of [`drop_ddl`](crate::schema::drop_ddl) that deletes a dropped queue's cancel
+/// requests (see [`broker_core::driver::uncancel_ddl`]).
+pub(crate) fn uncancel_ddl(table: &str) -> String {
+    broker_core::driver::uncancel_ddl(&literal(table))
 }
 
 impl AdminDriver for SqliteAdmin<'_> {
@@ -835,6 +850,37 @@ impl AdminDriver for SqliteAdmin<'_> {
         .await
         .map_err(|e| SqlxBrokerError::statement("", "control table check", e))?;
         Ok(found > 0)
+    }
+
+    async fn request_cancel(&self, table: &str, id: i64, now_ms: i64) -> Result<()> {
+        let sql = Q::new(format!(
+            "INSERT INTO {CANCEL_TABLE} (queue, id, requested_at_ms) VALUES ("
+        ))
+        .text(table)
+        .push(", ")
+        .int(id)
+        .push(", ")
+        .int(now_ms)
+        .push(") ON CONFLICT (queue, id) DO NOTHING");
+        self.execute(table, "cancel request", sql).await.map(drop)
+    }
+
+    async fn cancel_requests(&self, table: &str) -> Result<Vec<i64>> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT id FROM {CANCEL_TABLE} WHERE queue = ?1"
+        )))
+        .bind(table)
+        .fetch_all(self.pool)
+        .await
+        .map_err(|e| SqlxBrokerError::statement(table, "cancel requests", e))
+    }
+
+    async fn clear_cancel(&self, table: &str, id: i64) -> Result<()> {
+        let sql = Q::new(format!("DELETE FROM {CANCEL_TABLE} WHERE queue = "))
+            .text(table)
+            .push(" AND id = ")
+            .int(id);
+        self.execute(table, "cancel clear", sql).await.map(drop)
     }
 }
 

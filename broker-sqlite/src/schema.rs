@@ -78,6 +78,8 @@ pub(crate) fn ddl(t: &TableDescription) -> Vec<String> {
     }
     // Which queues are paused, shared by every queue of the database.
     out.push(crate::admin::control_ddl());
+    // Cancel requests for rows in work, shared likewise.
+    out.push(crate::admin::cancels_ddl());
     out.extend(crate::schedule::ddl());
     out
 }
@@ -226,6 +228,7 @@ pub(crate) fn drop_ddl(t: &TableDescription) -> Vec<String> {
     // A pause of the dropped queue goes with it (the control table stays: other queues share
     // it), so a table created again under the name does not start paused.
     out.push(crate::admin::unpause_ddl(t.name()));
+    out.push(crate::admin::uncancel_ddl(t.name()));
     out
 }
 

@@ -227,11 +227,14 @@ impl Statements {
                 a = self.attempt
             )
         });
+        // An operator's cancel deletes the row even where acks keep it.
+        let cancel = format!("DELETE FROM {table} WHERE {id} = ?1 AND ?2 IS NOT NULL{fence}");
         SettleStatements {
             ack,
             retry: Some(retry),
             dead,
             snooze,
+            cancel,
         }
     }
 }

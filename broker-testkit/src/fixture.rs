@@ -494,6 +494,7 @@ pub fn assert_counters_add_up<B: Backend, T>(q: &Queue<B, T>) {
     let m = q.metrics();
     let out = m.acked
         + m.retried
+        + m.cancelled
         + m.snoozed
         + m.dead_lettered
         + m.lease_lost
@@ -502,7 +503,7 @@ pub fn assert_counters_add_up<B: Backend, T>(q: &Queue<B, T>) {
         + m.released;
     assert_eq!(
         m.claimed, out,
-        "claimed must equal acked + retried + snoozed + dead_lettered + lease_lost + gone + settle_failed + released at rest: {m:?}"
+        "claimed must equal acked + retried + cancelled + snoozed + dead_lettered + lease_lost + gone + settle_failed + released at rest: {m:?}"
     );
     assert_eq!(m.in_work, 0, "nothing in work at rest: {m:?}");
     assert_eq!(m.held, 0, "nothing held at rest: {m:?}");

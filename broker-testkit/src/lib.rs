@@ -348,6 +348,25 @@ macro_rules! conformance_suite {
                 two_brokers_on_one_schedule_publish_each_tick_once_while_workers_ack,
                 eight_publishers_of_one_key_beside_an_acking_worker_never_fail,
             );
+            // Cancelling a running job (cases/cancel.rs).
+            $crate::conformance_suite!(@each $db; $mode;
+                a_cancel_from_another_broker_signals_the_running_handler_and_the_row_never_runs_again,
+                a_handler_that_ignores_a_cancel_is_dropped_after_the_grace,
+            );
+            #[test]
+            fn a_row_whose_holder_is_killed_while_a_cancel_is_pending_never_runs_again() {
+                const NAME: &str = concat!(module_path!(), "::a_row_whose_holder_is_killed_while_a_cancel_is_pending_never_runs_again");
+                $crate::__private::run_case(
+                    NAME,
+                    $crate::cases::a_row_whose_holder_is_killed_while_a_cancel_is_pending_never_runs_again::<$db>($crate::__private::mode(stringify!($mode)), NAME),
+                );
+            }
+            $crate::conformance_suite!(@register $db; a_row_whose_holder_is_killed_while_a_cancel_is_pending_never_runs_again;
+                Some(stringify!($mode)); |path| {
+                    ::std::boxed::Box::pin($crate::cases::a_row_whose_holder_is_killed_while_a_cancel_is_pending_never_runs_again::<$db>(
+                        $crate::__private::mode(stringify!($mode)), path,
+                    ))
+                });
             // Timeouts (cases/timeouts.rs).
             $crate::conformance_suite!(@each $db; $mode;
                 a_hung_handler_is_signalled_then_dropped_after_the_grace_and_retried,

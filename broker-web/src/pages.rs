@@ -269,6 +269,7 @@ pub(crate) fn notice(done: Option<&str>, n: Option<u64>) -> Option<String> {
         ("paused", _) => "Queue paused.".to_owned(),
         ("resumed", _) => "Queue resumed.".to_owned(),
         ("cancelled", _) => "Row cancelled.".to_owned(),
+        ("cancel-signalled", _) => "Row in work: its holder was signalled to cancel it; it deletes the row after the handler stops (or the grace ends).".to_owned(),
         ("due-now", _) => "Row due now.".to_owned(),
         _ => return None,
     })
@@ -500,7 +501,7 @@ pub(crate) fn job(
                             button.danger type="submit" { "Discard" }
                         }
                     }
-                    @if unfinished && j.state != JobState::InWork {
+                    @if unfinished {
                         @if j.state == JobState::Scheduled {
                             form.inline method="post" action={(base) "/jobs/" (j.id) "/run-now"} {
                                 (csrf(ctx)) button type="submit" { "Run now" }
@@ -508,7 +509,12 @@ pub(crate) fn job(
                             " "
                         }
                         form.inline method="post" action={(base) "/jobs/" (j.id) "/cancel"} {
-                            (csrf(ctx)) button.danger type="submit" { "Cancel" }
+                            (csrf(ctx))
+                            @if j.state == JobState::InWork {
+                                button.danger type="submit" title="Signals the handler that runs it; the row is deleted once the handler stops or the grace ends" { "Cancel (in work)" }
+                            } @else {
+                                button.danger type="submit" { "Cancel" }
+                            }
                         }
                     }
                 }

@@ -9,8 +9,8 @@ use std::future::Future;
 use std::pin::Pin;
 
 use broker_core::{
-    Backend, DeadLetters, JobInfo, JobState, MetricsSnapshot, Page, Queue, QueueStats, Result,
-    TableDescription,
+    Backend, Cancelled, DeadLetters, JobInfo, JobState, MetricsSnapshot, Page, Queue, QueueStats,
+    Result, TableDescription,
 };
 
 /// A boxed future of a queue operation.
@@ -26,7 +26,7 @@ pub(crate) trait AnyQueue: Send + Sync {
     fn job(&self, id: i64) -> Op<'_, Option<JobInfo>>;
     fn requeue_dead(&self, which: DeadLetters) -> Op<'_, u64>;
     fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64>;
-    fn cancel(&self, id: i64) -> Op<'_, ()>;
+    fn cancel(&self, id: i64) -> Op<'_, Cancelled>;
     fn run_now(&self, id: i64) -> Op<'_, ()>;
     fn pause(&self, by: String) -> Op<'_, ()>;
     fn resume(&self) -> Op<'_, ()>;
@@ -57,7 +57,7 @@ impl<B: Backend, T: 'static> AnyQueue for Queue<B, T> {
     fn discard_dead(&self, which: DeadLetters) -> Op<'_, u64> {
         Box::pin(Queue::discard_dead(self, which))
     }
-    fn cancel(&self, id: i64) -> Op<'_, ()> {
+    fn cancel(&self, id: i64) -> Op<'_, Cancelled> {
         Box::pin(Queue::cancel(self, id))
     }
     fn run_now(&self, id: i64) -> Op<'_, ()> {

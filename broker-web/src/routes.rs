@@ -9,7 +9,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use broker_core::{DeadLetters, JobState, Page, SqlxBrokerError};
+use broker_core::{Cancelled, DeadLetters, JobState, Page, SqlxBrokerError};
 
 use crate::Inner;
 use crate::pages::{self, Listed, QueueView, seg};
@@ -320,7 +320,8 @@ pub(crate) async fn discard(
     dead_letters(&d, &ctx, &name, &body, DeadOp::Discard).await
 }
 
-/// POST `/queues/{queue}/jobs/{id}/cancel`.
+/// POST `/queues/{queue}/jobs/{id}/cancel`: deletes a row no delivery holds; a row in work is
+/// cancelled through its holder, and the page says the holder was signalled.
 pub(crate) async fn cancel(
     State(d): State<Arc<Inner>>,
     Extension(ctx): Extension<Ctx>,
@@ -331,7 +332,8 @@ pub(crate) async fn cancel(
         Err(r) => return *r,
     };
     match q.cancel(id).await {
-        Ok(()) => back(&ctx, &[], &name, None, "done=cancelled"),
+        Ok(Cancelled::Removed) => back(&ctx, &[], &name, None, "done=cancelled"),
+        Ok(_) => back(&ctx, &[], &name, None, "done=cancel-signalled"),
         Err(e) => failure(&ctx, &e),
     }
 }

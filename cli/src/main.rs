@@ -79,7 +79,9 @@ enum Command {
         #[command(subcommand)]
         command: DeadCommand,
     },
-    /// Takes an unfinished row out of the queue (deletes it); refused while a delivery holds it.
+    /// Takes an unfinished row out of the queue (deletes it). A row in work is cancelled
+    /// through its holder, in whichever process it runs: its handler is signalled, and the row
+    /// is deleted once the handler stops or the subscription's grace ends.
     Cancel {
         /// The row id.
         id: i64,
@@ -280,10 +282,12 @@ async fn run_queue<B: Backend>(q: &Queue<B, ()>, command: &Command) -> broker_co
                 rows: q.discard_dead(which.dead_letters()).await?,
             },
         },
-        Command::Cancel { id } => {
-            q.cancel(*id).await?;
-            Out::Done(format!("row {id} cancelled"))
-        }
+        Command::Cancel { id } => match q.cancel(*id).await? {
+            broker_core::Cancelled::Removed => Out::Done(format!("row {id} cancelled")),
+            _ => Out::Done(format!(
+                "row {id} is in work: its holder was signalled to cancel it, and deletes it once the handler stops or the grace ends"
+            )),
+        },
         Command::RunNow { id } => {
             q.run_now(*id).await?;
             Out::Done(format!("row {id} is due now"))

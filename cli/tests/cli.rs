@@ -927,3 +927,82 @@ async fn the_cli_shows_a_mariadb_kinds_table_by_kind() {
     broker.drop_tables(&t).await.unwrap();
     broker.close().await;
 }
+
+/// `cancel` of a row in work, from the CLI's own process: the command says it signalled the
+/// holder, the holder's handler sees an operator's cancel (through `NOTIFY`: its poll is longer
+/// than the wait), and the row is deleted; `cancel` of a row no delivery holds still deletes
+/// it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_cancels_a_running_job_through_its_holder() {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    let url = pg_url();
+    let broker = broker_postgres::PgBackend::connect(&url).await.unwrap();
+    let t = table(&broker_testkit::unique_name("cli"));
+    broker.create_tables(&t).await.unwrap();
+    let q = broker.queue::<Payload<String>>(t.clone()).await.unwrap();
+    let running = q.publish(NewJob::new("runs".to_owned())).await.unwrap();
+    let seen: Arc<Mutex<Option<broker_core::CancelReason>>> = Arc::default();
+    let saw = seen.clone();
+    let sub = q
+        .subscribe(
+            broker_core::SubscribeOptions::new().poll_interval(Duration::from_secs(120)),
+            move |job| {
+                let saw = saw.clone();
+                async move {
+                    let reason = job.cancelled().await;
+                    *saw.lock().unwrap() = Some(reason);
+                    broker_core::Outcome::Ack
+                }
+            },
+        )
+        .unwrap();
+    broker_testkit::wait_until("the row in work", Duration::from_secs(30), || {
+        let q = q.clone();
+        async move {
+            q.row_state(running)
+                .await
+                .unwrap()
+                .is_some_and(|r| r.locked_until_ms.is_some())
+        }
+    })
+    .await;
+    let o = cli(&url, t.name(), &["cancel", &running.to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("its holder was signalled"),
+        "{}",
+        stdout(&o)
+    );
+    broker_testkit::wait_until(
+        "the holder's handler signalled",
+        Duration::from_secs(30),
+        || {
+            let got = seen.lock().unwrap().is_some();
+            async move { got }
+        },
+    )
+    .await;
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(broker_core::CancelReason::Cancelled)
+    );
+    broker_testkit::wait_until("the cancelled row deleted", Duration::from_secs(30), || {
+        let q = q.clone();
+        async move { q.row_state(running).await.unwrap().is_none() }
+    })
+    .await;
+    sub.shutdown().await;
+    assert_eq!(q.metrics().cancelled, 1);
+    let waiting = q
+        .publish(NewJob::new("waits".to_owned()).run_after(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    let o = cli(&url, t.name(), &["cancel", &waiting.to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), format!("row {waiting} cancelled\n"));
+    assert!(q.row_state(waiting).await.unwrap().is_none());
+    broker.drop_tables(&t).await.unwrap();
+    broker.close().await;
+}

@@ -57,7 +57,8 @@ pub trait AdminDriver: Send + Sync {
     ) -> impl Future<Output = Result<u64>> + Send;
 
     /// Deletes unfinished row `id` unless a delivery holds it, fenced as a settlement is: a
-    /// claim that takes the row first makes this change nothing ([`RowChange::InWork`]).
+    /// claim that takes the row first makes this change nothing ([`RowChange::InWork`]), and
+    /// the core then asks its holder to cancel it ([`request_cancel`](Self::request_cancel)).
     fn cancel(
         &self,
         table: &TableDescription,
@@ -108,4 +109,22 @@ pub trait AdminDriver: Send + Sync {
 
     /// Whether the control table ([`CONTROL_TABLE`](super::CONTROL_TABLE)) exists.
     fn has_control_table(&self) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Records a cancel request for row `id` of the queue `table` in the cancel table
+    /// ([`CANCEL_TABLE`](super::CANCEL_TABLE)); a request already there stays. Where the
+    /// database can push, the same statement tells the table's subscriptions in other processes
+    /// ([`Signal::Cancel`](super::Signal::Cancel), sent when it commits).
+    fn request_cancel(
+        &self,
+        table: &str,
+        id: i64,
+        now_ms: i64,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// The rows of the queue `table` with a cancel request, read through the cancel table's
+    /// key (the subscriptions run it once per poll interval).
+    fn cancel_requests(&self, table: &str) -> impl Future<Output = Result<Vec<i64>>> + Send;
+
+    /// Deletes the cancel request for row `id` of the queue `table`, if there is one.
+    fn clear_cancel(&self, table: &str, id: i64) -> impl Future<Output = Result<()>> + Send;
 }

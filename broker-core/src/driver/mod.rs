@@ -327,6 +327,9 @@ pub enum Action {
         /// When the row is due again (unix milliseconds).
         due_ms: i64,
     },
+    /// Delete the row (whatever the table keeps of acked rows): an operator cancelled it while
+    /// it was in work (see [`Queue::cancel`](crate::Queue::cancel)).
+    Cancel,
 }
 
 /// A settlement: which row, what to do, and the host's clock.
@@ -853,6 +856,13 @@ pub trait Backend: Clone + Send + Sync + Sized + 'static {
 /// table name, when it was paused (unix ms) and by whom.
 pub const CONTROL_TABLE: &str = "sqlx_broker_control";
 
+/// The table that holds cancel requests for rows in work, shared by every queue of a database
+/// (the DDL helper creates it beside the control table): one row per requested cancel, with
+/// the queue's table name, the row's id and when it was requested (unix ms), keyed on the queue
+/// and the id, so the subscriptions' read of one queue's requests is an index range. A table of
+/// its own, not rows of the control table, whose key is the queue alone (one pause per queue).
+pub const CANCEL_TABLE: &str = "sqlx_broker_cancels";
+
 /// The statement of a backend's [`drop_ddl`](Backend::drop_ddl) that deletes a dropped queue's
 /// pause, the queue's name given as a string literal of the backend's dialect: a plain
 /// statement (no procedural block whose quoting a name could end), which fails where the
@@ -861,9 +871,17 @@ pub fn unpause_ddl(queue_literal: &str) -> String {
     format!("DELETE FROM {CONTROL_TABLE} WHERE queue = {queue_literal}")
 }
 
-/// Whether `sql` is [`unpause_ddl`]'s.
+/// The statement of a backend's [`drop_ddl`](Backend::drop_ddl) that deletes a dropped queue's
+/// cancel requests (as [`unpause_ddl`] its pause; skipped likewise where the cancel table was
+/// never created).
+pub fn uncancel_ddl(queue_literal: &str) -> String {
+    format!("DELETE FROM {CANCEL_TABLE} WHERE queue = {queue_literal}")
+}
+
+/// Whether `sql` is [`unpause_ddl`]'s or [`uncancel_ddl`]'s.
 pub fn is_unpause_ddl(sql: &str) -> bool {
     sql.starts_with(&format!("DELETE FROM {CONTROL_TABLE} WHERE "))
+        || sql.starts_with(&format!("DELETE FROM {CANCEL_TABLE} WHERE "))
 }
 
 /// Row counts by state, as a backend reads them for [`AdminDriver::stats`]; the core adds the

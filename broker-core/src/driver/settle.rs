@@ -33,6 +33,9 @@ pub struct SettleStatements<S> {
     /// (see [`Action::Snooze`]); `None` on a table without a due-time column, where snoozes are
     /// refused before they reach the backend.
     pub snooze: Option<S>,
+    /// Deletes the row, whatever the table keeps of acked rows: an operator's cancel of a row in
+    /// work ([`Action::Cancel`]), fenced as the ack is.
+    pub cancel: S,
 }
 
 /// How a backend dead-letters a row.
@@ -148,11 +151,12 @@ impl<S> SettleStatements<S> {
                     "snoozes on a table without a due-time column are refused before settlement"
                 ),
             },
+            Action::Cancel => Run::One("cancel", &self.cancel),
         }
     }
 
     /// Every statement with its name, for the startup check: the ack, the retry, the dead
-    /// letter's in the order they run, then the snooze.
+    /// letter's in the order they run, the snooze, then the cancel.
     pub fn named(&self) -> Vec<(&'static str, &S)> {
         let mut out = vec![("ack", &self.ack)];
         out.extend(self.retry.as_ref().map(|s| ("retry", s)));
@@ -162,6 +166,7 @@ impl<S> SettleStatements<S> {
             DeadStatements::Move(moved) => out.extend(moved.steps().map(|(k, s)| (k.name(), s))),
         }
         out.extend(self.snooze.as_ref().map(|s| ("snooze", s)));
+        out.push(("cancel", &self.cancel));
         out
     }
 
@@ -183,6 +188,7 @@ impl<S> SettleStatements<S> {
             retry: self.retry.map(&mut f),
             dead,
             snooze: self.snooze.map(&mut f),
+            cancel: f(self.cancel),
         }
     }
 }
@@ -192,7 +198,7 @@ impl Settle {
     /// time (or NULL: due at once) for a retry, the due time for a snooze.
     pub fn written_ms(&self) -> Option<i64> {
         match self.action {
-            Action::Ack | Action::DeadLetter => Some(self.now_ms),
+            Action::Ack | Action::DeadLetter | Action::Cancel => Some(self.now_ms),
             Action::Retry { due_ms } => due_ms,
             Action::Snooze { due_ms } => Some(due_ms),
         }
@@ -297,6 +303,7 @@ mod tests {
             retry: retry.then_some("R"),
             dead,
             snooze: None,
+            cancel: "X!",
         }
     }
 
@@ -329,13 +336,14 @@ mod tests {
         assert_eq!(runs(&s, Action::Ack), [("ack", "A")]);
         assert_eq!(runs(&s, RETRY), [("retry", "R")]);
         assert_eq!(runs(&s, Action::DeadLetter), [("dead letter", "D")]);
+        assert_eq!(runs(&s, Action::Cancel), [("cancel", "X!")]);
     }
 
     #[test]
     fn a_retry_without_a_statement_runs_nothing() {
         let s = statements(false, DeadStatements::None);
         assert!(matches!(s.for_action(RETRY), Run::Nothing));
-        assert_eq!(s.named(), [("ack", &"A")]);
+        assert_eq!(s.named(), [("ack", &"A"), ("cancel", &"X!")]);
     }
 
     #[test]
@@ -379,6 +387,7 @@ mod tests {
                 ("dead letter count", &"C"),
                 ("dead letter copy", &"P"),
                 ("dead letter delete", &"X"),
+                ("cancel", &"X!"),
             ]
         );
     }
@@ -401,10 +410,11 @@ mod tests {
                 ("retry", &"R"),
                 ("dead letter copy", &"P"),
                 ("dead letter delete", &"X"),
+                ("cancel", &"X!"),
             ]
         );
         let mapped = s.map(str::len);
-        assert_eq!(mapped.named().len(), 4);
+        assert_eq!(mapped.named().len(), 5);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Operator signals: what `pause`, `resume`, `run_now` and `requeue_dead` tell the
+//! Operator signals: what `pause`, `resume`, `run_now`, `requeue_dead` and `cancel` tell the
 //! subscriptions of a table, and the gate that keeps handlers from starting while a queue is
 //! paused.
 //!
@@ -24,10 +24,16 @@ pub enum Signal {
     RunNow,
     /// Dead letters were put back: claim at once, from the start of the claim order.
     RequeueDead,
+    /// A cancel of row `id`, which was in work, was requested: its holder signals the handler,
+    /// waits the grace and deletes the row (see [`Queue::cancel`](crate::Queue::cancel)).
+    Cancel {
+        /// The row.
+        id: i64,
+    },
 }
 
 impl Signal {
-    /// Every signal.
+    /// Every signal that carries nothing but its name (all but [`Signal::Cancel`]).
     pub const ALL: [Signal; 4] = [
         Signal::Pause,
         Signal::Resume,
@@ -42,21 +48,36 @@ impl Signal {
             Self::Resume => "resume",
             Self::RunNow => "run_now",
             Self::RequeueDead => "requeue_dead",
+            Self::Cancel { .. } => "cancel",
         }
     }
 
-    /// A payload naming the signal and the queue's table: `pause:jobs`. The table name comes
-    /// last, whole, so any name reads back unchanged.
+    /// A payload naming the signal and the queue's table: `pause:jobs`; a cancel names its row
+    /// between them: `cancel:42:jobs`. The table name comes last, whole, so any name reads back
+    /// unchanged.
     pub fn payload(self, table: &str) -> String {
-        format!("{}:{table}", self.as_str())
+        match self {
+            Self::Cancel { id } => format!("cancel:{id}:{table}"),
+            _ => format!("{}:{table}", self.as_str()),
+        }
     }
 
     /// Reads a [`payload`](Self::payload): the signal and the table, or `None` for text that is
-    /// not one (another program's notification on the channel).
+    /// not one (another program's notification on the channel). A broker that predates a signal
+    /// reads its payload as `None` and ignores it (its poll still finds the change).
     pub fn parse(payload: &str) -> Option<(Signal, &str)> {
-        let (name, table) = payload.split_once(':')?;
+        let (name, rest) = payload.split_once(':')?;
+        if name == "cancel" {
+            let (id, table) = rest.split_once(':')?;
+            return Some((
+                Self::Cancel {
+                    id: id.parse().ok()?,
+                },
+                table,
+            ));
+        }
         let signal = Self::ALL.into_iter().find(|s| s.as_str() == name)?;
-        Some((signal, table))
+        Some((signal, rest))
     }
 }
 
@@ -77,6 +98,8 @@ pub(crate) struct Gate {
     /// Counts every change a signal or a pause made; a read of the pause state that began
     /// before one is stale (see [`Gate::apply_read`]).
     seq: AtomicU64,
+    /// The table's cancel requests and the signals of its deliveries in work in this broker.
+    pub(crate) cancels: crate::cancel::CancelBoard,
 }
 
 impl Default for Gate {
@@ -86,6 +109,7 @@ impl Default for Gate {
             watch: watch::Sender::new(false),
             starting: AtomicUsize::new(0),
             seq: AtomicU64::new(0),
+            cancels: crate::cancel::CancelBoard::default(),
         }
     }
 }
@@ -222,14 +246,19 @@ impl Wakeup {
     }
 
     /// An operator's signal for this table: a pause shuts the gate at once (the signal is sent
-    /// only once the pause committed); every signal also makes the subscription read the pause
-    /// state again and look.
+    /// only once the pause committed); a cancel raises the signal of the row's delivery if it
+    /// is in work here (and keeps the request, so a claim of the row does not run it); every
+    /// signal also makes the subscription read the pause state again and look.
     pub fn signal(&self, signal: Signal) {
         match signal {
             Signal::Pause => self.gate.set(true),
             Signal::Resume => self.gate.set(false),
             Signal::RequeueDead => self.rescan.store(true, Ordering::SeqCst),
             Signal::RunNow => {}
+            Signal::Cancel { id } => {
+                self.gate.cancels.request(id);
+                return;
+            }
         }
         self.reread.store(true, Ordering::SeqCst);
         self.wake.notify_one();
@@ -265,8 +294,14 @@ mod tests {
                 assert_eq!(Signal::parse(&s.payload(t)), Some((s, t)));
             }
         }
+        for t in ["jobs", "a:b", ""] {
+            let s = Signal::Cancel { id: -42 };
+            assert_eq!(Signal::parse(&s.payload(t)), Some((s, t)));
+        }
         assert_eq!(Signal::parse("hello"), None);
         assert_eq!(Signal::parse("stop:jobs"), None);
+        assert_eq!(Signal::parse("cancel:jobs"), None, "a cancel names its row");
+        assert_eq!(Signal::parse("cancel:x:jobs"), None);
     }
 
     #[tokio::test]

@@ -482,7 +482,7 @@ impl<B: Backend> LeaseHold<B> {
             .row_state(&self.shared.table, settle.id)
             .await;
         match (settle.action, state) {
-            (Action::Ack, Ok(None)) => true,
+            (Action::Ack | Action::Cancel, Ok(None)) => true,
             (Action::Ack, Ok(Some(s))) => s.processed,
             (Action::DeadLetter, Ok(Some(s))) => s.dead,
             _ => false,

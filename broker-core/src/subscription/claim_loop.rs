@@ -139,6 +139,16 @@ where
     // Stopped before it could read whether pauses can be watched: it claims nothing, and
     // shuts down with nothing to wait for.
     let pause = pause.unwrap_or_else(|| PauseWatch::stopped(wakeup.clone()));
+    if pause.control {
+        super::cancels::start(
+            shared.clone(),
+            gate.clone(),
+            options.poll_interval,
+            stop.clone(),
+            shared.broker.shutdown.subscribe(),
+        )
+        .await;
+    }
     let plan = Plan::new(&options, &table, pool_size(&queue));
     let (reports_tx, reports) = mpsc::unbounded_channel();
     let mut claim_loop = ClaimLoop {

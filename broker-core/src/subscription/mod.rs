@@ -12,8 +12,10 @@
 //!   between them ([`state::Machine::step`]);
 //! - [`claim_loop`]: the loop itself, the I/O around `step`, and shutdown;
 //! - [`pause`]: how the loop sees a paused queue;
+//! - [`cancels`]: how the subscription sees cancel requests for rows in work;
 //! - [`work`]: one claimed row, from lease renewal through the handler to settlement.
 
+mod cancels;
 mod claim_loop;
 mod deadline;
 mod handler;

@@ -160,6 +160,21 @@ where
             .max_attempts
             .is_some_and(|max| attempt > i64::from(max));
         let signal = job.cancel_signal();
+        // On the table's board from here until the delivery leaves work: a cancel request for
+        // the row raises `signal`, from this process, a NOTIFY or the poll's read.
+        let (_on_board, requested) = OnBoard::enter(&engine.gate.cancels, id, &signal);
+        if requested {
+            // Cancelled while no one ran it (its holder went away, or the request reached this
+            // broker before the row did): the handler never starts.
+            drop((job, entered));
+            tracing::info!(parent: &span, "the row has a cancel request; deleting it without running its handler");
+            stop_renewal.notify_one();
+            let handled = Handled::Cancelled {
+                reason: crate::CancelReason::Cancelled,
+                mid_statement: false,
+            };
+            return Some((handled, (Some((slot, in_work)), false)));
+        }
         let lent = if engine.handler.lends_transaction {
             delivery.lend_transaction()
         } else {
@@ -182,15 +197,17 @@ where
         };
         let handled = match ran {
             Ran::Returned(result) => Handled::Returned(result),
-            Ran::TimedOut { reason, left } => {
+            Ran::Cancelled { reason, left } => {
                 // A guard out while the handler is dropped: it may be mid-statement on the
                 // row lock transaction, whose connection then must not be used again.
                 let mid_statement = left.is_some() && lent.as_ref().is_some_and(|l| l.in_use());
                 // Dropped here, before the row is settled or given back: nothing of this
                 // delivery runs once the row's next delivery can start.
                 drop(left);
-                inner.metrics.add(Counter::TimedOut, 1);
-                Handled::TimedOut {
+                if matches!(reason, crate::CancelReason::TimedOut { .. }) {
+                    inner.metrics.add(Counter::TimedOut, 1);
+                }
+                Handled::Cancelled {
                     reason,
                     mid_statement,
                 }
@@ -202,7 +219,7 @@ where
         }
         if matches!(
             handled,
-            Handled::TimedOut {
+            Handled::Cancelled {
                 mid_statement: true,
                 ..
             }
@@ -245,24 +262,45 @@ where
         Handled::Returned(Ok(Err(e))) => Some(e.to_string()),
         Handled::Returned(Err(panic)) => Some(format!("panic: {}", panic_message(panic))),
         Handled::Returned(Ok(Ok(_))) => None,
-        Handled::TimedOut {
+        Handled::Cancelled {
             mid_statement: true,
             ..
         } => None,
-        Handled::TimedOut { reason, .. } => Some(reason.to_string()),
+        // The row is deleted: nothing to keep.
+        Handled::Cancelled {
+            reason: crate::CancelReason::Cancelled,
+            ..
+        } => None,
+        Handled::Cancelled { reason, .. } => Some(reason.to_string()),
     }
     .filter(|_| inner.table.last_error().is_some());
+    // An operator's cancel: the row is deleted below, whatever the handler returned.
+    let cancel = matches!(
+        handled,
+        Handled::Cancelled {
+            reason: crate::CancelReason::Cancelled,
+            mid_statement: false,
+        }
+    );
     let outcome = match handled {
-        Handled::TimedOut {
+        Handled::Cancelled {
             mid_statement: true,
-            ..
+            reason,
         } => {
             // The transaction closes with its connection: the server rolls it back and the row
-            // is due again at once, its attempt not counted (as when a process dies).
-            tracing::warn!(parent: &span, "handler timed out while it held its row lock transaction; closing the transaction's connection, which releases the row");
+            // is due again at once, its attempt not counted (as when a process dies). A cancel
+            // request stays, and the row's next claim deletes it without running it.
+            tracing::warn!(parent: &span, %reason, "handler cancelled while it held its row lock transaction; closing the transaction's connection, which releases the row");
             None
         }
-        Handled::TimedOut { reason, .. } => {
+        Handled::Cancelled {
+            reason: crate::CancelReason::Cancelled,
+            ..
+        } => {
+            tracing::info!(parent: &span, "cancelled by an operator; deleting the row");
+            Some(Outcome::Ack)
+        }
+        Handled::Cancelled { reason, .. } => {
             tracing::warn!(parent: &span, %reason, "handler timed out; retrying");
             Some(backoff_due(attempt))
         }
@@ -308,7 +346,9 @@ where
     let number = engine.settlements.fetch_add(1, Ordering::Relaxed);
     let timed = InFlight::begin(&engine.health, Waiting::Settlement(number));
     let max_attempts = delivery.max_attempts();
-    let settled = if settle {
+    let settled = if cancel {
+        delivery.settle_cancelled().await
+    } else if settle {
         delivery.settle(outcome).await
     } else {
         drop(delivery);
@@ -318,6 +358,19 @@ where
     match settled {
         Err(e) => {
             tracing::warn!(parent: &span, error = %e, ?outcome, "settlement failed; the row was released");
+        }
+        Ok(()) if cancel => {
+            // The row is gone: its request too. A failure leaves it to the poll's clean-up.
+            engine.gate.cancels.forget(id);
+            if let Err(e) = inner
+                .broker
+                .backend
+                .admin()
+                .clear_cancel(inner.name(), id)
+                .await
+            {
+                tracing::warn!(parent: &span, error = %e, "deleting the cancel request of a cancelled row failed");
+            }
         }
         Ok(()) => {
             if let Some(text) = error_text {
@@ -359,14 +412,38 @@ where
 enum Handled {
     /// It returned (or panicked) before its timeout.
     Returned(Result<HandlerResult, Box<dyn std::any::Any + Send>>),
-    /// Its timeout passed: it was signalled, and dropped unless it returned within the grace;
-    /// whatever it returned, the delivery is a failed attempt.
-    TimedOut {
+    /// Its timeout passed (whatever it returned, the delivery is a failed attempt) or an
+    /// operator cancelled its row (whatever it returned, the row is deleted): it was
+    /// signalled, and dropped unless it returned within the grace. Also a row whose cancel was
+    /// requested before its handler started, which never ran.
+    Cancelled {
         reason: crate::CancelReason,
         /// It was dropped while it held its row lock transaction (see
         /// [`Delivery::close_transaction_on_drop`]): the row is given back unsettled.
         mid_statement: bool,
     },
+}
+
+/// A delivery on its table's [`CancelBoard`](crate::cancel::CancelBoard) until it drops.
+struct OnBoard<'a>(&'a crate::cancel::CancelBoard, i64);
+
+impl<'a> OnBoard<'a> {
+    /// Puts the delivery of row `id` on `board`; also returns whether a cancel of the row is
+    /// requested already.
+    fn enter(
+        board: &'a crate::cancel::CancelBoard,
+        id: i64,
+        signal: &crate::CancelSignal,
+    ) -> (Self, bool) {
+        let requested = board.enter(id, signal);
+        (Self(board, id), requested)
+    }
+}
+
+impl Drop for OnBoard<'_> {
+    fn drop(&mut self) {
+        self.0.leave(self.1);
+    }
 }
 
 /// Counts a delivery task in [`Engine::holding`] until it ends, however it ends.

@@ -12,10 +12,11 @@ use broker_core::{Backend, ClaimMode, MetricsSnapshot, Outcome, Queue, Subscribe
 use crate::outage::Outage;
 use crate::{Fixture, TestDb, wait_until};
 
-/// The rows a reading counts as having left work, through the eight counters.
+/// The rows a reading counts as having left work, through the nine counters.
 fn counted_out(m: &MetricsSnapshot) -> u64 {
     m.acked
         + m.retried
+        + m.cancelled
         + m.snoozed
         + m.dead_lettered
         + m.lease_lost

@@ -148,6 +148,7 @@ pub(super) fn excuse(violation: &Violation, run: &Run<'_>) -> Option<Excuse> {
             )
         }),
         Violation::SettlementLost { .. }
+        | Violation::RunAfterCancelled { .. }
         | Violation::StillRunning { .. }
         | Violation::RowNeverDelivered { .. }
         | Violation::RowNeverPublished { .. }

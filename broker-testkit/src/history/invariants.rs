@@ -22,6 +22,7 @@ pub(super) const INVARIANTS: &[Invariant] = &[
     every_published_row_is_delivered_and_only_those,
     a_first_delivery_reads_attempt_one,
     a_finished_row_runs_no_more,
+    a_cancelled_row_never_starts_again,
     attempts_count_as_the_mode_says,
     a_crashed_lease_holds_until_it_runs_out,
     every_outcome_is_settled,
@@ -144,8 +145,23 @@ fn a_first_delivery_reads_attempt_one(run: &Run<'_>) -> Vec<Violation> {
 
 fn a_finished_row_runs_no_more(run: &Run<'_>) -> Vec<Violation> {
     pairs(run)
+        .filter(|(a, _)| a.outcome != Some(Recorded::Cancelled))
         .filter(|(a, _)| final_of(a, run.expect.max_attempts).is_some())
         .map(|(a, b)| Violation::RunAfterFinished {
+            first: Box::new(a.clone()),
+            second: Box::new(b.clone()),
+        })
+        .collect()
+}
+
+/// A row an operator cancelled while it ran is deleted by its holder, or, where the holder went
+/// away, by its next claim without a run (issue #48): no delivery of it starts after the
+/// cancelled one, whatever fault came. No fault excuses it: a crash leaves the request to the
+/// next claim, which deletes the row unrun.
+fn a_cancelled_row_never_starts_again(run: &Run<'_>) -> Vec<Violation> {
+    pairs(run)
+        .filter(|(a, _)| a.outcome == Some(Recorded::Cancelled))
+        .map(|(a, b)| Violation::RunAfterCancelled {
             first: Box::new(a.clone()),
             second: Box::new(b.clone()),
         })

@@ -62,11 +62,15 @@ pub enum Recorded {
     /// Returned `Outcome::Snooze`: the row comes back without an attempt spent (the history
     /// assumes no `max_snoozes`, so a snooze never finishes a row).
     Snooze,
+    /// Its row was cancelled by an operator while it ran (issue #48): signalled, then returned
+    /// within the grace or dropped (recorded when its future ended either way). The row is
+    /// deleted and never starts again, whatever the handler returned.
+    Cancelled,
 }
 
 impl Recorded {
     fn finishes(self) -> bool {
-        matches!(self, Self::Ack | Self::DeadLetter)
+        matches!(self, Self::Ack | Self::DeadLetter | Self::Cancelled)
     }
 
     /// The name a child process reports it by.
@@ -80,6 +84,7 @@ impl Recorded {
             Self::DeadLetter => "dead_letter",
             Self::TimedOut => "timed_out",
             Self::Snooze => "snooze",
+            Self::Cancelled => "cancelled",
         }
     }
 
@@ -94,6 +99,7 @@ impl Recorded {
             Self::DeadLetter,
             Self::TimedOut,
             Self::Snooze,
+            Self::Cancelled,
         ]
         .into_iter()
         .find(|r| r.name() == name)
@@ -255,7 +261,7 @@ pub fn unix_micros() -> i64 {
 /// or past `max_attempts`), or `None` when the row goes back to the queue.
 fn final_of(r: &Record, max_attempts: Option<u32>) -> Option<Final> {
     match r.outcome? {
-        Recorded::Ack => Some(Final::Gone),
+        Recorded::Ack | Recorded::Cancelled => Some(Final::Gone),
         Recorded::DeadLetter => Some(Final::Dead),
         // A snooze spends no attempt, so `max_attempts` never dead-letters it.
         Recorded::Snooze => None,

@@ -992,6 +992,23 @@ fn a_timed_out_delivery_still_running_when_its_rows_next_one_began_is_found() {
 }
 
 #[test]
+fn a_cancelled_row_that_starts_again_is_found_whatever_fault_came() {
+    let cancelled = plain(1, 1, 0, 10, Some(Recorded::Cancelled));
+    // Deleted by its holder: one delivery, gone.
+    let h = history(vec![cancelled.clone()]);
+    settled(&h, 1, 1, 11);
+    let f = h.check(&unordered(ClaimMode::Lease, GONE)).unwrap();
+    assert_eq!(f.deliveries, 1);
+    // Run again after the cancel: found, and no fault excuses it.
+    let h = with_unseen_claims(vec![cancelled, plain(1, 2, 20, 30, Some(Recorded::Ack))]);
+    settled(&h, 1, 2, 31);
+    assert_eq!(
+        judged(&h, &unordered(ClaimMode::Lease, GONE)),
+        [("RunAfterCancelled", None)]
+    );
+}
+
+#[test]
 fn a_snooze_spends_no_attempt_and_one_that_did_is_miscounted() {
     // Row 1 snoozed twice, then failed once (max_attempts 3) and acked: attempts 1, 1, 1, 2.
     let snoozed = |after: i64| {

@@ -95,6 +95,13 @@ pub enum Violation {
         /// The delivery after it.
         second: Box<Record>,
     },
+    /// A row started again after an operator cancelled it while it ran (issue #48).
+    RunAfterCancelled {
+        /// The delivery the cancel reached.
+        first: Box<Record>,
+        /// The delivery after it.
+        second: Box<Record>,
+    },
     /// The next delivery of a row read another attempt than the claim mode counts after the
     /// previous one (SPEC 2).
     AttemptMiscounted {
@@ -144,6 +151,7 @@ impl Violation {
             Self::RowNeverPublished { .. } => "RowNeverPublished",
             Self::FirstAttemptNotOne { .. } => "FirstAttemptNotOne",
             Self::RunAfterFinished { .. } => "RunAfterFinished",
+            Self::RunAfterCancelled { .. } => "RunAfterCancelled",
             Self::AttemptMiscounted { .. } => "AttemptMiscounted",
             Self::LeaseCutShort { .. } => "LeaseCutShort",
             Self::SettlementLost { .. } => "SettlementLost",
@@ -160,6 +168,7 @@ impl Violation {
             | Self::GroupOutOfOrder { first, second, .. }
             | Self::GroupMovedOnEarly { first, second, .. }
             | Self::RunAfterFinished { first, second }
+            | Self::RunAfterCancelled { first, second }
             | Self::AttemptMiscounted { first, second, .. }
             | Self::LeaseCutShort { first, second } => Some((first, second)),
             _ => None,
@@ -211,6 +220,9 @@ impl fmt::Display for Violation {
             )?,
             Self::RunAfterFinished { first, .. } => {
                 write!(f, "row {} was delivered again after it finished", first.id)?;
+            }
+            Self::RunAfterCancelled { first, .. } => {
+                write!(f, "row {} started again after it was cancelled", first.id)?;
             }
             Self::AttemptMiscounted {
                 first,

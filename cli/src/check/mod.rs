@@ -58,11 +58,12 @@ pub(crate) struct CheckArgs {
     pub(crate) keep: bool,
 }
 
-/// The broker's own tables that every queue of a database shares: the pause table and the
-/// schedules' tables (broker-core's `SCHEDULES_TABLE` and `TICKS_TABLE`, which it does not
-/// export).
-pub(crate) const SHARED_TABLES: [&str; 3] = [
+/// The broker's own tables that every queue of a database shares: the pause table, the cancel
+/// requests and the schedules' tables (broker-core's `SCHEDULES_TABLE` and `TICKS_TABLE`, which
+/// it does not export).
+pub(crate) const SHARED_TABLES: [&str; 4] = [
     broker_core::driver::CONTROL_TABLE,
+    broker_core::driver::CANCEL_TABLE,
     "sqlx_broker_schedules",
     "sqlx_broker_ticks",
 ];

@@ -100,11 +100,12 @@ pub(super) async fn prepare(url: &str) -> Result<Scratch, String> {
     if let Some(db) = current.clone() {
         let shared: Vec<String> = sqlx::query_scalar(
             "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES \
-             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (?, ?, ?)",
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME IN (?, ?, ?, ?)",
         )
         .bind(super::SHARED_TABLES[0])
         .bind(super::SHARED_TABLES[1])
         .bind(super::SHARED_TABLES[2])
+        .bind(super::SHARED_TABLES[3])
         .fetch_all(&mut conn)
         .await
         .map_err(|e| format!("listing tables: {e}"))?;
@@ -154,12 +155,13 @@ pub(super) async fn prepare(url: &str) -> Result<Scratch, String> {
 async fn own_tables(conn: &mut MySqlConnection) -> Result<Vec<String>, String> {
     sqlx::query_scalar(
         "SELECT CAST(TABLE_NAME AS CHAR) FROM information_schema.TABLES \
-         WHERE TABLE_SCHEMA = DATABASE() AND (TABLE_NAME LIKE ? OR TABLE_NAME IN (?, ?, ?))",
+         WHERE TABLE_SCHEMA = DATABASE() AND (TABLE_NAME LIKE ? OR TABLE_NAME IN (?, ?, ?, ?))",
     )
     .bind(super::own_pattern())
     .bind(super::SHARED_TABLES[0])
     .bind(super::SHARED_TABLES[1])
     .bind(super::SHARED_TABLES[2])
+    .bind(super::SHARED_TABLES[3])
     .fetch_all(conn)
     .await
     .map_err(|e| format!("listing tables: {e}"))
