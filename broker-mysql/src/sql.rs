@@ -326,9 +326,11 @@ impl Statements {
             );
         }
         // A subscription of some kinds claims only rows of its kinds.
+        // Compared as bytes: on a case-insensitive column "Resize" is another kind than
+        // "resize", as the workers' registry, the stats and the doctor see it.
         claimable.extend(
             t.kind()
-                .and_then(|k| t.kind_condition(&col(k)))
+                .and_then(|k| t.kind_condition(&format!("CAST({} AS BINARY)", col(k))))
                 .map(Sql::new),
         );
         if claimable.is_empty() {

@@ -173,6 +173,7 @@ macro_rules! conformance_suite {
                 a_job_whose_kind_attempts_crashes_spent_is_dead_lettered_unrun,
                 a_job_timeout_without_its_column_is_refused_with_what_to_add,
                 a_layer_around_the_workers_sees_each_jobs_kind_and_outcome,
+                a_kind_is_its_exact_name_whatever_the_columns_collation,
             );
         }
         // Job kinds in stats, listings and the doctor (cases/kinds_ops.rs).

@@ -737,3 +737,55 @@ where
     );
     fx.cleanup().await;
 }
+
+/// Kind names are compared as written: a row of kind "Email" is not claimed by a worker of
+/// "email" (MySQL and MariaDB compare text columns without case by default; the claim compares
+/// bytes), and stays due.
+pub async fn a_kind_is_its_exact_name_whatever_the_columns_collation<D: TestDb>()
+where
+    KindRow: for<'r> FromRow<'r, <DbOf<D> as Database>::Row>,
+    for<'q> Json<Email>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+{
+    let mode = ClaimMode::Lease;
+    let fx = Fixture::<D>::build(mode, |name| kinds_table(name, mode)).await;
+    let q = kinds_queue(&fx).await;
+    let upper = q
+        .publish(
+            broker_core::NewJob::new(Json(Email {
+                to: "a".into(),
+                n: 1,
+            }))
+            .column("kind", "Email"),
+        )
+        .await
+        .unwrap();
+    let lower = q
+        .enqueue(Email {
+            to: "b".into(),
+            n: 2,
+        })
+        .await
+        .unwrap()
+        .id;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let sub = q
+        .work(
+            options(),
+            Workers::new().register(move |job: Job<Email>| {
+                s.lock().unwrap().push((Email::KIND, job.payload().n));
+                async { Outcome::Ack }
+            }),
+        )
+        .await
+        .unwrap();
+    wait_for_runs(&seen, 1, "the lower-case row").await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let m = sub.metrics();
+    sub.shutdown().await;
+    assert_eq!(*seen.lock().unwrap(), [(Email::KIND, 2)]);
+    assert_eq!(m.claimed, 1, "{m:?}");
+    assert!(q.row_state(lower).await.unwrap().is_none());
+    assert_eq!(q.row_state(upper).await.unwrap().unwrap().attempt, 1);
+    fx.cleanup().await;
+}
