@@ -19,6 +19,9 @@
 //! - `--bin queues` puts 50 queue tables with a subscription each on one pool of 10 connections
 //!   (issue #32): the connections they hold at idle, and how fast 100 rows in each drain against
 //!   5,000 rows in one; writes `benches/results/queues.md`.
+//! - `--bin kinds` drains a kinds table of 10 job kinds with one `work` subscription against
+//!   the same rows in a one-type table with one `subscribe` (issue #48), sides alternating
+//!   round by round; writes `benches/results/kinds.md`.
 //! - `--bin stats` times `Queue::stats()` on a large table (issue #29).
 //! - `--bin steady -- --db postgres --rate 2000` drains a table that an outside producer
 //!   (pgbench, or a second process) fills at a fixed rate, and prints per 10 s the rows handled,
