@@ -919,7 +919,7 @@ pub fn dead_by_kind(dead_table: &str, kind: &str, null_int: &str) -> String {
     )
 }
 
-/// One row of a stats statement grouped by kind, as [`KindStats`](crate::admin::KindStats):
+/// One row of a stats statement grouped by kind, as [`KindStats`]:
 /// `counts` are due, scheduled, in work, retrying, finished and dead, in that order (NULL
 /// finished or dead: the table keeps none), each made a [`Count`] by `count`.
 pub fn kind_part(
