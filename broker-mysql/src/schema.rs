@@ -66,7 +66,11 @@ fn columns(t: &TableDescription, queue: bool) -> Vec<String> {
     let walked = t.key_index_columns().unwrap_or_default();
     for (c, ty) in t.columns() {
         // A text column of the key walk's index needs a bounded length, as the group's does.
-        let ty = if *ty == ColumnType::Text && walked.contains(&c.as_str()) {
+        let ty = if t.kind() == Some(c.as_str()) {
+            // A kind name is 1 to MAX_KIND_CHARS ASCII characters, compared as bytes; bounded,
+            // so the claim index can carry it (see claim_index_columns).
+            "VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin"
+        } else if *ty == ColumnType::Text && walked.contains(&c.as_str()) {
             "VARCHAR(255)"
         } else {
             column_type(*ty)
@@ -222,6 +226,12 @@ fn claim_index_columns(t: &TableDescription) -> Vec<(String, bool)> {
         cols.push((c.to_owned(), false));
     }
     cols.push((t.id().to_owned(), false));
+    // A kinds table's claims keep only their kinds: with the kind in the index, the claim
+    // window's read tests it on the index entry instead of looking up every row it passes
+    // (a MariaDB row lock drain of 10 kinds ran at 0.80 of one type's without it).
+    if let Some(k) = t.kind() {
+        cols.push((k.to_owned(), false));
+    }
     cols
 }
 
@@ -542,6 +552,26 @@ pub(crate) async fn check_statements(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kinds_table_has_a_bounded_binary_kind_column_at_the_end_of_its_claim_index() {
+        let t = TableDescription::builder("jobs")
+            .kind("kind")
+            .payload("args", ColumnType::Json)
+            .locked_until("lu")
+            .due_at("due")
+            .build()
+            .unwrap();
+        let queue = ddl(&t).join("\n");
+        assert!(
+            queue.contains("`kind` VARCHAR(100) CHARACTER SET ascii COLLATE ascii_bin NULL"),
+            "{queue}"
+        );
+        assert!(
+            queue.contains("INDEX `sqlx_broker_claim` (`due`, `id`, `kind`)"),
+            "{queue}"
+        );
+    }
 
     #[test]
     fn the_ddl_creates_the_claim_and_group_indexes_and_a_matching_dead_letter_table() {
