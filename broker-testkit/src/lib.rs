@@ -174,6 +174,7 @@ macro_rules! conformance_suite {
                 a_job_timeout_without_its_column_is_refused_with_what_to_add,
                 a_layer_around_the_workers_sees_each_jobs_kind_and_outcome,
                 a_kind_is_its_exact_name_whatever_the_columns_collation,
+                a_schedule_publishes_a_kind_that_its_worker_runs,
             );
         }
         // Job kinds in stats, listings and the doctor (cases/kinds_ops.rs).
@@ -324,6 +325,7 @@ macro_rules! conformance_suite {
                 a_kinds_max_attempts_and_timeout_apply_to_its_jobs,
                 a_kinds_group_priority_and_unique_key_come_from_its_arguments,
                 a_jobs_own_timeout_applies_in_place_of_the_subscriptions,
+                a_fifo_group_is_one_order_across_kinds,
             );
             // Operator signals (cases/signals.rs).
             $crate::conformance_suite!(@each $db; $mode;

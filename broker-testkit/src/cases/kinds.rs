@@ -789,3 +789,150 @@ where
     assert_eq!(q.row_state(upper).await.unwrap().unwrap().attempt, 1);
     fx.cleanup().await;
 }
+
+/// A step of an order: grouped by its order, as the mails of [`Email`] are by recipient, so
+/// the two kinds share groups.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// The order (the group is `to-{order}`, an [`Email`]'s group of the same name).
+    pub order: String,
+    /// The job's number in the case.
+    pub n: i64,
+}
+
+impl JobKind for Step {
+    const KIND: &'static str = "order.step";
+    fn group(&self) -> Option<String> {
+        Some(format!("to-{}", self.order))
+    }
+}
+
+/// On a FIFO kinds table a group is one order across kinds: mails and order steps published
+/// interleaved into three shared groups run one at a time per group, in publish order, by
+/// four workers of one subscription.
+pub async fn a_fifo_group_is_one_order_across_kinds<D: TestDb>(mode: ClaimMode)
+where
+    KindRow: for<'r> FromRow<'r, <DbOf<D> as Database>::Row>,
+    for<'q> Json<Email>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+    for<'q> Json<Step>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+{
+    let fx =
+        Fixture::<D>::build(mode, |name| kinds_table(name, mode).group("grp").fifo(true)).await;
+    let q = kinds_queue(&fx).await;
+    let mut published: HashMap<String, Vec<i64>> = HashMap::new();
+    for n in 0..18 {
+        let g = format!("g{}", n % 3);
+        if n % 2 == 0 {
+            q.enqueue(Email { to: g.clone(), n }).await.unwrap();
+        } else {
+            q.enqueue(Step {
+                order: g.clone(),
+                n,
+            })
+            .await
+            .unwrap();
+        }
+        published.entry(g).or_default().push(n);
+    }
+    // Per group: the numbers in start order, and how many ran at once at most.
+    type Runs = Arc<
+        Mutex<(
+            HashMap<String, Vec<i64>>,
+            HashMap<String, usize>,
+            Vec<String>,
+        )>,
+    >;
+    let runs: Runs = Arc::default();
+    async fn run(runs: Runs, group: String, n: i64) -> Outcome {
+        {
+            let mut r = runs.lock().unwrap();
+            r.0.entry(group.clone()).or_default().push(n);
+            let now = r.1.entry(group.clone()).or_default();
+            *now += 1;
+            if *now > 1 {
+                r.2.push(format!("group {group}: {n} started while another ran"));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        *runs.lock().unwrap().1.get_mut(&group).unwrap() -= 1;
+        Outcome::Ack
+    }
+    let (a, b) = (runs.clone(), runs.clone());
+    let sub = q
+        .work(
+            options(),
+            Workers::new()
+                .register(move |job: Job<Email>| {
+                    run(a.clone(), job.payload().to.clone(), job.payload().n)
+                })
+                .register(move |job: Job<Step>| {
+                    run(b.clone(), job.payload().order.clone(), job.payload().n)
+                }),
+        )
+        .await
+        .unwrap();
+    wait_until("18 acks", Duration::from_secs(30), || {
+        let acked = sub.metrics().acked;
+        async move { acked >= 18 }
+    })
+    .await;
+    sub.shutdown().await;
+    let (order, overlaps) = {
+        let r = runs.lock().unwrap();
+        (r.0.clone(), r.2.clone())
+    };
+    assert!(overlaps.is_empty(), "{overlaps:?}");
+    assert_eq!(
+        order, published,
+        "each group in publish order, across kinds"
+    );
+    fx.cleanup().await;
+}
+
+/// A periodic schedule publishes jobs of a kind: its closure returns `new_kind_job`, and the
+/// kind's worker runs each tick's row.
+pub async fn a_schedule_publishes_a_kind_that_its_worker_runs<D: TestDb>()
+where
+    KindRow: for<'r> FromRow<'r, <DbOf<D> as Database>::Row>,
+    for<'q> Json<Email>: Encode<'q, DbOf<D>> + Type<DbOf<D>>,
+{
+    let mode = ClaimMode::Lease;
+    let fx = Fixture::<D>::build(mode, |name| kinds_table(name, mode)).await;
+    let q = kinds_queue(&fx).await;
+    let publisher = q.clone();
+    let ticks = q
+        .schedule(
+            broker_core::Schedule::new(unique_name("kinds"), "* * * * * *").unwrap(),
+            move |_| {
+                publisher
+                    .new_kind_job(Email {
+                        to: "tick".into(),
+                        n: 7,
+                    })
+                    .expect("a kinds table takes the job")
+            },
+        )
+        .await
+        .expect("start the schedule");
+    let seen = Seen::default();
+    let s = seen.clone();
+    let sub = q
+        .work(
+            options(),
+            Workers::new().register(move |job: Job<Email>| {
+                s.lock().unwrap().push((Email::KIND, job.payload().n));
+                async { Outcome::Ack }
+            }),
+        )
+        .await
+        .unwrap();
+    wait_for_runs(&seen, 2, "two ticks' mails").await;
+    ticks.stop().await;
+    sub.shutdown().await;
+    assert!(
+        seen.lock().unwrap().iter().all(|r| *r == (Email::KIND, 7)),
+        "{:?}",
+        seen.lock().unwrap()
+    );
+    fx.cleanup().await;
+}
