@@ -803,31 +803,7 @@ fn exercise_kinds(url: &str, name: &str) {
     let out = run(&["doctor", "--known-kinds", "resize,export"]);
     assert!(out.contains("[pass] job kinds"), "{out}");
     // The --kind flag is the kind role too (flags win over the file: here, the same roles).
-    let o = Command::new(env!("CARGO_BIN_EXE_sqlx-broker"))
-        .args([
-            "--url",
-            url,
-            "--table",
-            name,
-            "--payload",
-            "args",
-            "--kind",
-            "kind",
-            "--locked-until",
-            "locked_until",
-            "--due-at",
-            "due_at",
-            "--processed-at",
-            "done_at",
-            "--max-attempts",
-            "1",
-            "--dead-letter-column",
-            "dead_at",
-            "--json",
-            "stats",
-        ])
-        .output()
-        .unwrap();
+    let o = cli_kinds(url, name, &["--json", "stats"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["kinds"].as_array().map(Vec::len), Some(2), "{v}");
